@@ -1,0 +1,74 @@
+"""The tokenizer of a Hugging Face model directory: tokenizer.json plus the chat template."""
+
+import json
+from pathlib import Path
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as RustTokenizer
+
+
+def _token_text(value) -> str | None:
+    # tokenizer_config.json stores special tokens either as strings or as AddedToken dicts.
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _raise_template_error(message: str):
+    raise TemplateError(message)
+
+
+class Tokenizer:
+    def __init__(self, model_dir):
+        model_dir = Path(model_dir)
+        tokenizer_path = model_dir / "tokenizer.json"
+        config_path = model_dir / "tokenizer_config.json"
+        for path in (tokenizer_path, config_path):
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"'{path}' is missing: the model directory must hold the Hugging Face tokenizer files "
+                    "(tokenizer.json, tokenizer_config.json), as a clone of e.g. "
+                    "https://huggingface.co/Qwen/Qwen2.5-3B-Instruct does."
+                )
+        self.tokenizer = RustTokenizer.from_file(str(tokenizer_path))
+        config = json.loads(config_path.read_text())
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.pad_token = _token_text(config.get("pad_token")) or self.eos_token
+        if self.eos_token is None:
+            raise ValueError(f"{config_path} defines no eos_token.")
+        self.eos_token_id = self.tokenizer.token_to_id(self.eos_token)
+        self.pad_token_id = self.tokenizer.token_to_id(self.pad_token)
+        self.bos_token = _token_text(config.get("bos_token"))
+        template_path = model_dir / "chat_template.jinja"
+        template_text = template_path.read_text() if template_path.is_file() else config.get("chat_template")
+        self.chat_template = None
+        if template_text:
+            # The same Jinja settings transformers uses, so templates render identically.
+            environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            environment.globals["raise_exception"] = _raise_template_error
+            self.chat_template = environment.from_string(template_text)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+    def render_chat(self, messages: list[dict[str, str]], prefill: str = "") -> str:
+        """Chat messages as the model's prompt text, opened for the assistant's turn, plus `prefill`."""
+        if self.chat_template is None:
+            raise ValueError("This tokenizer has no chat_template; use a plain-text prompt template instead.")
+        text = self.chat_template.render(
+            messages=messages,
+            add_generation_prompt=True,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token,
+        )
+        return text + prefill
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def tokenize(self, text: str) -> tuple[list[int], list[str]]:
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.tokens
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
