@@ -1,0 +1,201 @@
+"""Batched sampling of many answers per prompt with a KV cache.
+
+The engine prefills each prompt once (all prompts right-padded in one pass, every row at its own
+positions) and copies that prompt's cache to its samples. Decoding then runs one token per step for
+all active rows; sampled tokens stay on the device, and only every FINISHED_CHECK_INTERVAL steps
+does the host look at which rows are done, to stop early and drop finished rows from the batch.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from qwen2_model import KVCache, Transformer
+
+# Reading the finished flags forces a host-device sync; doing it every few steps keeps the device
+# queue full at the cost of a few wasted tokens for rows that finished in between.
+FINISHED_CHECK_INTERVAL = 8
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]  # generated ids, including the eos id when finished
+    finished: bool  # stopped on eos (False: hit its length limit)
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, uniforms: torch.Tensor | None) -> torch.Tensor:
+    """Next token ids [rows] from logits [rows, vocab]; temperature 0 is greedy.
+
+    Sampling inverts the (nucleus-truncated) CDF at one uniform per row: a fixed-shape computation
+    whose randomness comes from outside, so a compiled CUDA graph can replay it.
+    """
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    order = None
+    if top_p < 1:
+        probs, order = probs.sort(dim=-1, descending=True)
+        # Keep a token while the mass ranked above it is below top_p: the smallest set reaching top_p.
+        probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= top_p, 0.0)
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # Strictly below the total, so the chosen slot is one where the CDF rises: a token of nonzero mass.
+    threshold = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    index = torch.searchsorted(cdf, threshold, right=True)
+    return (index if order is None else order.gather(-1, index)).squeeze(-1)
+
+
+def decode_step(
+    model: Transformer,
+    kv_cache: KVCache,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    uniforms: torch.Tensor | None,
+    temperature: float,
+    top_p: float,
+) -> torch.Tensor:
+    """Feed one token per row at its position and sample the next: fixed shapes for a given batch."""
+    logits = model(tokens[:, None], positions[:, None], kv_cache)[:, -1]
+    return sample(logits, temperature, top_p, uniforms)
+
+
+@functools.cache
+def compiled_decode_step():
+    # dynamic=False: one specialised graph per batch size, which is what CUDA graphs replay.
+    return torch.compile(decode_step, mode="reduce-overhead", fullgraph=True, dynamic=False)
+
+
+def prefill(model: Transformer, prompts: list[list[int]], max_seq_len: int):
+    """One right-padded forward over all prompts -> (cache, last-token logits [rows, vocab], lengths [rows])."""
+    device = model.embed_tokens.weight.device
+    lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)
+    padded = torch.nn.utils.rnn.pad_sequence(
+        [torch.tensor(prompt, device=device) for prompt in prompts], batch_first=True
+    )
+    positions = torch.arange(padded.shape[1], device=device).expand(len(prompts), -1)
+    kv_cache = model.new_kv_cache(len(prompts), max_seq_len)
+    hidden = model.hidden_states(padded, positions, kv_cache)
+    # Only the last real token's logits are needed: skip the vocabulary projection elsewhere.
+    last_hidden = hidden[torch.arange(len(prompts), device=device), lengths - 1]
+    return kv_cache, model.lm_head(last_hidden), lengths
+
+
+def check_arguments(prompts, num_samples_per_prompt, max_gen_len, temperature, top_p, stop_lengths) -> None:
+    if not prompts:
+        raise ValueError("prompts is empty; pass at least one tokenized prompt.")
+    for index, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {index} has no tokens; every prompt needs at least one token to condition on.")
+    if num_samples_per_prompt < 1 or max_gen_len < 1:
+        raise ValueError(
+            f"num_samples_per_prompt={num_samples_per_prompt} and max_gen_len={max_gen_len} must both be >= 1."
+        )
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} is negative; use 0 for greedy or a positive value to sample.")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p} must be in (0, 1]; 1 disables nucleus truncation.")
+    if stop_lengths is not None and len(stop_lengths) != len(prompts) * num_samples_per_prompt:
+        raise ValueError(
+            f"stop_lengths has {len(stop_lengths)} entries; give one per completion "
+            f"({len(prompts)} prompts x {num_samples_per_prompt} samples)."
+        )
+
+
+@torch.no_grad()
+def generate(
+    model: Transformer,
+    prompts: list[list[int]],
+    num_samples_per_prompt: int,
+    max_gen_len: int,
+    eos_token_id: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+    share_prompt_prefill: bool = True,
+    evict_finished: bool = True,
+    compile_decode: bool = False,
+    progress: bool = False,
+    stop_lengths: list[int] | None = None,
+) -> list[Completion]:
+    """Sample num_samples_per_prompt completions per prompt, prompt-major (prompt 0's samples first).
+
+    generator: drives all sampling; it must live on the model's device.
+    share_prompt_prefill=False, evict_finished=False is the simple reference path: every prompt is
+    prefilled once per sample and every row decodes until the last one finishes.
+    compile_decode: on CUDA, run each decode step as a captured CUDA graph. Finished rows are then
+    kept in the batch: every new batch size would need its own compile and capture, which costs far
+    more than decoding a few finished rows inside an already captured graph.
+    stop_lengths: optional per-completion length limits below max_gen_len (benchmarks plant them
+    because random weights never emit eos); a row that hits its limit is not `finished`.
+    """
+    check_arguments(prompts, num_samples_per_prompt, max_gen_len, temperature, top_p, stop_lengths)
+    device = model.embed_tokens.weight.device
+    num_rows = len(prompts) * num_samples_per_prompt
+    # The last sampled token is never fed back, so it needs no cache slot.
+    max_seq_len = max(len(prompt) for prompt in prompts) + max_gen_len - 1
+    if share_prompt_prefill:
+        kv_cache, logits, positions = prefill(model, prompts, max_seq_len)
+        sample_rows = torch.arange(len(prompts), device=device).repeat_interleave(num_samples_per_prompt)
+        kv_cache, logits, positions = kv_cache.select(sample_rows), logits[sample_rows], positions[sample_rows]
+    else:
+        repeated = [prompt for prompt in prompts for _ in range(num_samples_per_prompt)]
+        kv_cache, logits, positions = prefill(model, repeated, max_seq_len)
+
+    compiled = compile_decode and device.type == "cuda"
+    step_fn = compiled_decode_step() if compiled else decode_step
+    if compiled:
+        evict_finished = False
+        for tensor in kv_cache.keys + kv_cache.values:
+            # The cache is written in place every step; a static address lets the graph do that directly.
+            torch._dynamo.mark_static_address(tensor, guard=False)
+
+    length_limits = torch.full((num_rows,), max_gen_len, device=device)
+    if stop_lengths is not None:
+        length_limits = length_limits.minimum(torch.tensor(stop_lengths, device=device))
+    outputs = torch.full((num_rows, max_gen_len), eos_token_id, device=device)
+    # State of the active rows; eviction shrinks these together with the cache.
+    row_ids, limits = torch.arange(num_rows, device=device), length_limits
+    finished = torch.zeros(num_rows, dtype=torch.bool, device=device)
+    next_tokens = sample(logits, temperature, top_p, draw_uniforms(num_rows, temperature, generator, device))
+    bar = tqdm(total=max_gen_len, desc="generate", unit="step", disable=not progress)
+    for step in range(max_gen_len):
+        outputs[row_ids, step] = next_tokens
+        finished |= (next_tokens == eos_token_id) | (limits <= step + 1)
+        if step + 1 == max_gen_len:
+            break
+        if (step + 1) % FINISHED_CHECK_INTERVAL == 0:
+            bar.update(FINISHED_CHECK_INTERVAL)
+            if finished.all():
+                break
+            if evict_finished and finished.any():
+                active = (~finished).nonzero().squeeze(1)
+                kv_cache = kv_cache.select(active)
+                next_tokens, positions, row_ids, limits = (t[active] for t in (next_tokens, positions, row_ids, limits))
+                finished = finished[active]
+        uniforms = draw_uniforms(len(row_ids), temperature, generator, device)
+        if compiled:
+            torch.compiler.cudagraph_mark_step_begin()
+        next_tokens = step_fn(model, kv_cache, next_tokens, positions, uniforms, temperature, top_p)
+        if compiled:
+            next_tokens = next_tokens.clone()  # the graph's output buffer is overwritten by its next replay
+        positions = positions + 1
+    bar.close()
+    return completions_from_outputs(outputs.tolist(), length_limits.tolist(), eos_token_id)
+
+
+def draw_uniforms(num_rows: int, temperature: float, generator, device) -> torch.Tensor | None:
+    return None if temperature == 0 else torch.rand(num_rows, generator=generator, device=device)
+
+
+def completions_from_outputs(outputs: list[list[int]], limits: list[int], eos_token_id: int) -> list[Completion]:
+    """Cut each row at its first eos (kept) or its length limit; rows may hold stale tokens beyond."""
+    completions = []
+    for tokens, limit in zip(outputs, limits):
+        tokens = tokens[:limit]
+        if eos_token_id in tokens:
+            completions.append(Completion(tokens[: tokens.index(eos_token_id) + 1], finished=True))
+        else:
+            completions.append(Completion(tokens, finished=False))
+    return completions

@@ -1,0 +1,188 @@
+"""The generation engine against a naive decoder (full forward, no cache, one sequence at a time)."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from generation import Completion, decode_step, generate, sample
+from qwen2_model import Transformer, init_weights
+
+FLAG_COMBINATIONS = [
+    dict(share_prompt_prefill=share, evict_finished=evict) for share, evict in itertools.product((True, False), repeat=2)
+]
+FLAG_IDS = [f"share={f['share_prompt_prefill']}-evict={f['evict_finished']}" for f in FLAG_COMBINATIONS]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir) -> Transformer:
+    # The fixture's std-0.02 weights make greedy decoding repeat the last token forever; larger weights
+    # give varied continuations, so a wrong position, cache row or eviction shows up as a wrong token.
+    model = Transformer.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    init_weights(model, seed=1, std=0.2)
+    return model
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(1, 500, (length,), generator=generator).tolist() for length in (5, 12, 3, 9)]
+
+
+@torch.no_grad()
+def naive_greedy(model, prompt: list[int], max_gen_len: int, eos_token_id: int) -> Completion:
+    sequence = list(prompt)
+    for _ in range(max_gen_len):
+        sequence.append(model(torch.tensor([sequence]))[0, -1].argmax().item())
+        if sequence[-1] == eos_token_id:
+            return Completion(sequence[len(prompt) :], finished=True)
+    return Completion(sequence[len(prompt) :], finished=False)
+
+
+@pytest.fixture(scope="module")
+def eos_token_id(model, prompts) -> int:
+    """A token that greedy decoding emits mid-way for prompt 0, so rows finish at different steps."""
+    return naive_greedy(model, prompts[0], 24, eos_token_id=-1).token_ids[10]
+
+
+@pytest.mark.parametrize("flags", FLAG_COMBINATIONS, ids=FLAG_IDS)
+def test_greedy_matches_naive_decoder(model, prompts, eos_token_id, flags):
+    max_gen_len, num_samples = 24, 3
+    expected = [naive_greedy(model, prompt, max_gen_len, eos_token_id) for prompt in prompts]
+    # The data must exercise both outcomes, and a finish after the first eviction check.
+    assert any(c.finished for c in expected) and not all(c.finished for c in expected)
+    assert any(c.finished and len(c.token_ids) > 8 for c in expected)
+    completions = generate(model, prompts, num_samples, max_gen_len, eos_token_id, temperature=0, **flags)
+    assert completions == [c for c in expected for _ in range(num_samples)]
+
+
+def test_eos_is_kept_and_nothing_follows_it(model, prompts, eos_token_id):
+    completions = generate(model, prompts, 2, 24, eos_token_id, temperature=0)
+    for completion in completions:
+        if completion.finished:
+            assert completion.token_ids[-1] == eos_token_id and eos_token_id not in completion.token_ids[:-1]
+        else:
+            assert len(completion.token_ids) == 24 and eos_token_id not in completion.token_ids
+
+
+def test_stop_lengths_cut_rows_without_marking_them_finished(model, prompts, eos_token_id):
+    stop_lengths = [2, 30, 9, 17, 1, 24, 13, 3]
+    completions = generate(model, prompts, 2, 20, eos_token_id, temperature=0, stop_lengths=stop_lengths)
+    for row, completion in enumerate(completions):
+        reference = naive_greedy(model, prompts[row // 2], min(stop_lengths[row], 20), eos_token_id)
+        assert completion == reference
+
+
+def test_one_token_generation(model, prompts):
+    completions = generate(model, prompts, 2, 1, eos_token_id=-1, temperature=0)
+    assert [c.token_ids for c in completions] == [naive_greedy(model, p, 1, -1).token_ids for p in prompts for _ in "ab"]
+
+
+def chi_square_statistic(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> tuple[float, int]:
+    """Pearson's statistic, pooling categories with too few expected counts; returns (statistic, dof)."""
+    expected = probs.double() * counts.sum()
+    large = expected >= min_expected
+    observed = torch.cat([counts[large].double(), counts[~large].double().sum()[None]])
+    expected = torch.cat([expected[large], expected[~large].sum()[None]])
+    keep = expected > 0
+    statistic = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum().item()
+    return statistic, int(keep.sum()) - 1
+
+
+def chi_square_critical(dof: int, z: float = 3.719) -> float:
+    """Upper 1e-4 quantile of chi-square(dof), Wilson-Hilferty approximation."""
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def sampled_counts(logits: torch.Tensor, temperature: float, top_p: float, num_draws: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    uniforms = torch.rand(num_draws, generator=generator)
+    tokens = sample(logits.expand(num_draws, -1), temperature, top_p, uniforms)
+    return torch.bincount(tokens, minlength=logits.shape[-1])
+
+
+def test_sample_follows_softmax_with_temperature():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    counts = sampled_counts(logits, temperature=0.5, top_p=1.0, num_draws=20000, seed=0)
+    statistic, dof = chi_square_statistic(counts, torch.softmax(logits / 0.5, -1))
+    assert statistic < chi_square_critical(dof)
+    # The test has power: the same draws are far from the untempered distribution.
+    statistic, dof = chi_square_statistic(counts, torch.softmax(logits, -1))
+    assert statistic > 10 * chi_square_critical(dof)
+
+
+def test_top_p_samples_only_the_renormalised_nucleus():
+    probs = torch.tensor([0.05, 0.5, 0.1, 0.3, 0.05])
+    # Ranked mass before each token: 0.5 -> 0, 0.3 -> 0.5, 0.1 -> 0.8: top_p 0.75 keeps tokens 1 and 3.
+    counts = sampled_counts(probs.log(), temperature=1.0, top_p=0.75, num_draws=20000, seed=1)
+    assert counts[[0, 2, 4]].sum() == 0
+    statistic, dof = chi_square_statistic(counts[[1, 3]], torch.tensor([0.5, 0.3]) / 0.8)
+    assert statistic < chi_square_critical(dof)
+
+
+def test_sample_never_picks_zero_probability_tokens():
+    logits = torch.tensor([-math.inf, 0.0, -math.inf, 0.0, -math.inf])
+    uniforms = torch.tensor([0.0, 0.4999, 0.5, 1 - 2**-24, 1.0])  # the edges of [0, 1), and beyond
+    tokens = sample(logits.expand(5, -1), 1.0, 1.0, uniforms)
+    assert tokens.tolist() == [1, 1, 3, 3, 3]
+
+
+def test_first_generated_token_follows_model_distribution(model, prompts):
+    temperature, num_samples = 0.7, 8000
+    generator = torch.Generator().manual_seed(2)
+    completions = generate(model, prompts[:1], num_samples, 1, -1, temperature=temperature, generator=generator)
+    counts = torch.bincount(torch.tensor([c.token_ids[0] for c in completions]), minlength=model.config.vocab_size)
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.tensor(prompts[:1]))[0, -1] / temperature, -1)
+    statistic, dof = chi_square_statistic(counts, probs)
+    assert dof >= 5 and statistic < chi_square_critical(dof)
+
+
+@pytest.mark.parametrize("flags", FLAG_COMBINATIONS, ids=FLAG_IDS)
+def test_top_p_keeps_every_token_inside_the_nucleus(model, prompts, flags):
+    top_p, temperature = 0.6, 0.8
+    generator = torch.Generator().manual_seed(3)
+    completions = generate(model, prompts, 4, 12, -1, temperature=temperature, top_p=top_p, generator=generator, **flags)
+    for row, completion in enumerate(completions):
+        prompt = prompts[row // 4]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + completion.token_ids]))[0, len(prompt) - 1 : -1]
+        probs, order = torch.softmax(logits / temperature, -1).sort(-1, descending=True)
+        nucleus_size = ((probs.cumsum(-1) - probs) < top_p).sum(-1)
+        ranks = (order == torch.tensor(completion.token_ids)[:, None]).float().argmax(-1)
+        assert (ranks < nucleus_size).all()
+        assert nucleus_size.max() > 1  # the check is not vacuous
+
+
+@pytest.mark.parametrize("flags", FLAG_COMBINATIONS, ids=FLAG_IDS)
+def test_seeded_sampling_is_reproducible(model, prompts, flags):
+    run = lambda seed: generate(model, prompts, 3, 16, -1, generator=torch.Generator().manual_seed(seed), **flags)
+    assert run(5) == run(5)
+    assert run(5) != run(6)
+
+
+def test_decode_step_traces_as_one_graph(model, prompts):
+    """compile_decode needs the step free of graph breaks; trace it here (CUDA graph capture needs a GPU)."""
+    cache = model.new_kv_cache(2, 16)
+    compiled = torch.compile(decode_step, backend="eager", fullgraph=True, dynamic=False)
+    tokens, positions, uniforms = torch.tensor([3, 4]), torch.tensor([0, 0]), torch.tensor([0.3, 0.9])
+    expected = decode_step(model, model.new_kv_cache(2, 16), tokens, positions, uniforms, 0.9, 0.8)
+    assert torch.equal(compiled(model, cache, tokens, positions, uniforms, 0.9, 0.8), expected)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(prompts=[]), "prompts is empty"),
+        (dict(prompts=[[1], []]), "prompt 1 has no tokens"),
+        (dict(num_samples_per_prompt=0), "must both be >= 1"),
+        (dict(temperature=-1.0), "temperature=-1.0 is negative"),
+        (dict(top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
+        (dict(stop_lengths=[3]), "give one per completion"),
+    ],
+)
+def test_bad_arguments_are_explained(model, kwargs, message):
+    arguments = dict(prompts=[[1, 2]], num_samples_per_prompt=2, max_gen_len=4, eos_token_id=0) | kwargs
+    with pytest.raises(ValueError, match=message):
+        generate(model, **arguments)

@@ -1,0 +1,86 @@
+"""Chunked, checkpointed log-probs against the plain full-logits computation."""
+
+import pytest
+import torch
+
+from logprobs import token_log_probs
+from qwen2_model import Transformer
+
+
+def full_logits_log_probs(model, tokens):
+    log_probs = model(tokens)[:, :-1].float().log_softmax(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return log_probs.gather(-1, tokens[:, 1:, None]).squeeze(-1), entropy
+
+
+def loss_and_gradients(model, compute, tokens, weights):
+    model.zero_grad()
+    log_probs, entropy = compute(model, tokens)
+    (log_probs * weights).sum().backward()
+    grads = {name: param.grad.clone() for name, param in model.named_parameters()}
+    return log_probs.detach(), entropy.detach(), grads
+
+
+# 13 tokens score 12 positions: chunks that divide 12, that leave a remainder, one, and one wider than all.
+@pytest.mark.parametrize("chunk_size", [4, 5, 1, 512])
+def test_values_and_gradients_match_full_logits(tiny_model_dir, chunk_size):
+    model = Transformer.from_pretrained(tiny_model_dir, dtype=torch.float32).train()
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.config.vocab_size, (3, 13), generator=generator)
+    weights = torch.randn(3, 12, generator=generator)  # a token-level loss with mixed-sign advantages
+    chunked = lambda m, t: token_log_probs(m, t, chunk_size=chunk_size)
+    log_probs, entropy, grads = loss_and_gradients(model, chunked, tokens, weights)
+    expected_log_probs, expected_entropy, expected_grads = loss_and_gradients(model, full_logits_log_probs, tokens, weights)
+    assert log_probs.dtype == entropy.dtype == torch.float32 and log_probs.shape == (3, 12)
+    assert torch.allclose(log_probs, expected_log_probs, atol=1e-5)
+    assert torch.allclose(entropy, expected_entropy, atol=1e-5)
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in grads.items():
+        assert torch.allclose(grad, expected_grads[name], atol=1e-5, rtol=1e-4), name
+    assert expected_grads["embed_tokens.weight"].abs().max() > 0  # the tied head gets gradient
+
+
+def test_log_probs_are_normalised_over_the_vocabulary(tiny_model_dir):
+    """Scoring every possible next token at one position must give probabilities summing to one."""
+    model = Transformer.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    vocab_size = model.config.vocab_size
+    tokens = torch.stack([torch.tensor([7, 3, 9, next_token]) for next_token in range(vocab_size)])
+    with torch.no_grad():
+        log_probs, _ = token_log_probs(model, tokens, chunk_size=2)
+    assert abs(log_probs[:, -1].exp().sum().item() - 1) < 1e-4
+
+
+def saved_vocabulary_sized_tensors(model, compute, tokens) -> list[tuple[int, ...]]:
+    """Shapes of tensors autograd keeps for backward whose last dimension is the vocabulary."""
+    shapes = []
+
+    def pack(tensor):
+        if tensor.shape[-1:] == (model.config.vocab_size,):
+            shapes.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        compute(model, tokens)
+    return shapes
+
+
+def test_backward_keeps_no_logits(tiny_model_dir):
+    model = Transformer.from_pretrained(tiny_model_dir, dtype=torch.float32).train()
+    tokens = torch.randint(0, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
+    chunked = lambda m, t: token_log_probs(m, t, chunk_size=8)
+    assert saved_vocabulary_sized_tensors(model, chunked, tokens) == []
+    # The hook does see logits when they are kept: the full computation saves [2, 19, vocab] ones.
+    assert (2, 19, model.config.vocab_size) in saved_vocabulary_sized_tensors(model, full_logits_log_probs, tokens)
+
+
+def test_entropy_is_detached(tiny_model_dir):
+    model = Transformer.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    log_probs, entropy = token_log_probs(model, torch.tensor([[1, 2, 3]]))
+    assert log_probs.requires_grad and not entropy.requires_grad
+
+
+@pytest.mark.parametrize("tokens, chunk_size, message", [([[5]], 4, "seq >= 2"), ([[5, 6]], 0, "chunk_size=0")])
+def test_bad_arguments_are_explained(tiny_model_dir, tokens, chunk_size, message):
+    model = Transformer.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with pytest.raises(ValueError, match=message):
+        token_log_probs(model, torch.tensor(tokens), chunk_size)
