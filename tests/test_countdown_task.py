@@ -1,0 +1,444 @@
+"""CountDown task: the exact reward (rule by rule), the parser, the solver, the generator and the dataset."""
+
+import itertools
+import random
+import string
+from collections import Counter
+from fractions import Fraction
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from countdown_task import (
+    MAX_ANSWER_CHARS,
+    RESPONSE_PREFILL,
+    CountdownDataset,
+    answer_reward,
+    format_reward,
+    main,
+    parse_expression,
+    render_prompt,
+    reward_for_item,
+    reward_function,
+    solve,
+)
+from tokenizer import Tokenizer
+
+END = "<|im_end|>"
+
+# ----------------------------------------------------------------------------- format reward
+
+FORMAT_CASES = [
+    # (response after the "<think>" prefill, expected format reward)
+    ("I add them.</think>\n<answer>44 + 19 + 35</answer>", 0.1),
+    ("I add them.</think><answer>44 + 19 + 35</answer>", 0.1),  # no whitespace between is fine
+    ("x</think> \t\r\n\v\f<answer>x</answer>\n \t", 0.1),  # any ASCII whitespace; answer content is irrelevant
+    ("</think><answer></answer>", 0.1),  # empty think and empty answer
+    ("x</think>\n<answer>wrong</answer>", 0.1),
+    ("x</think>\nSo:<answer>1</answer>", 0.0),  # text between </think> and <answer>
+    ("x</think>\n<answer>1</answer> done", 0.0),  # text after </answer>
+    ("x</think>\n<answer>1</answer>" + END, 0.0),  # an end token not removed is text after </answer>
+    ("x</think>\u00a0<answer>1</answer>", 0.0),  # non-ASCII whitespace is not whitespace
+    ("x</think>\n<answer>1</answer>\u3000", 0.0),
+    ("<think>x</think>\n<answer>1</answer>", 0.0),  # <think> twice (the prefill already has one)
+    ("x</think></think>\n<answer>1</answer>", 0.0),
+    ("x</think>\n<answer>1</answer><answer>1</answer>", 0.0),
+    ("x</think>\n<answer><answer>1</answer>", 0.0),
+    ("x</think>\n<answer>1</answer></answer>", 0.0),
+    ("x\n<answer>1</answer>", 0.0),  # no </think>
+    ("x</think>\n1</answer>", 0.0),  # no <answer>
+    ("x</think>\n<answer>1", 0.0),  # no </answer>
+    ("", 0.0),
+    ("x<answer>1</answer></think>", 0.0),  # answer before </think>
+    ("x</think></answer>1<answer>", 0.0),  # answer tags reversed
+    ("x<answer></think>1</answer>", 0.0),
+]
+
+
+@pytest.mark.parametrize("response, expected", FORMAT_CASES)
+def test_format_reward(response, expected):
+    assert format_reward(response) == expected
+
+
+# ----------------------------------------------------------------------------- answer reward
+
+
+def answer(text: str) -> str:
+    return f"reasoning</think>\n<answer>{text}</answer>"
+
+
+ANSWER_CASES = [
+    # (answer text, numbers, target, expected answer reward)
+    ("44 + 19 + 35", [44, 19, 35], 98, 1.0),
+    ("35+44+19", [44, 19, 35], 98, 1.0),  # any order, no spaces
+    (" \t44\n+19 \r\n+ 35\f\v", [44, 19, 35], 98, 1.0),  # ASCII whitespace anywhere
+    ("((44) + (19 + 35))", [44, 19, 35], 98, 1.0),  # redundant parentheses
+    ("44 + 19 - 35", [44, 19, 35], 98, 0.0),  # wrong value
+    ("98", [44, 19, 35], 98, 0.0),  # right value, numbers not used
+    ("44 + 19 + 35 + 0", [44, 19, 35], 98, 0.0),  # extra number
+    ("44 + 54", [44, 19, 35], 98, 0.0),  # missing numbers
+    ("44 + 44 + 10", [44, 19, 35], 98, 0.0),  # reused number
+    ("3 + 3 + 5", [3, 3, 5], 11, 1.0),  # duplicates among the given numbers
+    ("3 + 5 + 3", [3, 5, 3], 11, 1.0),
+    ("3 + 5 + 5 - 2", [3, 3, 5], 11, 0.0),  # the duplicate replaced by another number
+    ("3 * 3 + 2", [3, 3, 5], 11, 0.0),
+    ("5 + 6", [3, 3, 5], 11, 0.0),
+    ("(7 / 3) * 3", [7, 3, 3], 7, 1.0),  # exact division
+    ("7 / 3 * 3", [7, 3, 3], 7, 1.0),
+    ("8 / (3 - 8 / 3)", [3, 3, 8, 8], 24, 1.0),  # floating point gives 23.999999999999993
+    ("7 / 3 + 3", [7, 3, 3], 5, 0.0),  # 16/3 is not 5
+    ("2 + 3 * 4", [2, 3, 4], 14, 1.0),  # * binds tighter than +
+    ("2 + 3 * 4", [2, 3, 4], 20, 0.0),
+    ("8 - 3 - 2", [8, 3, 2], 3, 1.0),  # left-associative
+    ("8 / 4 / 2", [8, 4, 2], 1, 1.0),
+    ("-2 + 3 + 5", [2, 3, 5], 6, 1.0),  # unary minus
+    ("3 - -5 + -2", [2, 3, 5], 6, 1.0),
+    ("-(2 - 3 - 5)", [2, 3, 5], 6, 1.0),
+    ("--2 * 3 + 0", [0, 2, 3], 6, 1.0),
+    ("+2 + 3 + 5", [2, 3, 5], 10, 0.0),  # unary plus is not in the grammar
+    ("3 / (5 - 5)", [3, 5, 5], 0, 0.0),  # division by zero
+    ("(5 - 5) / 3", [3, 5, 5], 0, 1.0),  # zero divided is fine
+    ("44 ** 19 ** 35", [44, 19, 35], 98, 0.0),
+    ("2 ** 3", [2, 3], 8, 0.0),
+    ("6 // 3", [6, 3], 2, 0.0),
+    ("5 % 3", [5, 3], 2, 0.0),
+    ("2 ^ 3", [2, 3], 1, 0.0),
+    ("44 + 19 + 35 = 98", [44, 19, 35], 98, 0.0),
+    ("44 + 19 + 35.0", [44, 19, 35], 98, 0.0),
+    ("44 + 19 + 35.", [44, 19, 35], 98, 0.0),
+    ("1e2 - 2", [1, 2, 2], 98, 0.0),
+    ("044 + 19 + 35", [44, 19, 35], 98, 0.0),  # leading zero
+    ("44 + 19 + 3_5", [44, 19, 35], 98, 0.0),
+    ("x + 44 + 19 + 35", [44, 19, 35], 98, 0.0),
+    ("abs(44 + 19 + 35)", [44, 19, 35], 98, 0.0),
+    ("int(44) + 19 + 35", [44, 19, 35], 98, 0.0),
+    ("__import__('os')", [44, 19, 35], 98, 0.0),
+    ("\u0664\u0664 + 19 + 35", [44, 19, 35], 98, 0.0),  # Arabic-Indic digits
+    ("\uff14\uff14 + 19 + 35", [44, 19, 35], 98, 0.0),  # fullwidth digits
+    ("44 \u2212 19 + 73", [44, 19, 73], 98, 0.0),  # Unicode minus sign
+    ("44\u00a0+ 19 + 35", [44, 19, 35], 98, 0.0),  # non-ASCII whitespace
+    ("(44 + 19 + 35", [44, 19, 35], 98, 0.0),  # unbalanced parentheses
+    ("44 + 19 + 35)", [44, 19, 35], 98, 0.0),
+    (")44 + 19 + 35(", [44, 19, 35], 98, 0.0),
+    ("44 + 19 + () + 35", [44, 19, 35], 98, 0.0),
+    ("44 19 + 35", [44, 19, 35], 98, 0.0),  # two literals in a row
+    ("44 + 19 + 35 +", [44, 19, 35], 98, 0.0),
+    ("(44)(19) + 35", [44, 19, 35], 98, 0.0),  # implicit multiplication
+    ("", [44, 19, 35], 98, 0.0),
+    (" \n ", [44, 19, 35], 98, 0.0),
+    ("44 + 19 + 35\x00", [44, 19, 35], 98, 0.0),
+    ("(" * 120 + "44 + 19 + 35" + ")" * 120, [44, 19, 35], 98, 1.0),  # deep nesting within the length limit
+    ("-" * 240 + "44 + 19 + 35", [44, 19, 35], 98, 1.0),  # an even number of unary minuses
+]
+
+
+@pytest.mark.parametrize("text, numbers, target, expected", ANSWER_CASES)
+def test_answer_reward(text, numbers, target, expected):
+    assert answer_reward(answer(text), numbers, target) == expected
+
+
+TAG_CASES = [
+    # (response, expected answer reward) for numbers [44, 19, 35] and target 98
+    ("<answer>44 + 19 + 35</answer>", 1.0),  # the format is not required
+    ("no think tags here <answer>44 + 19 + 35</answer> and text after", 1.0),
+    ("x</think>\n<answer>44 + 19 + 35</answer><answer>1</answer>", 0.0),  # two answers
+    ("x</think>\n<answer>44 + 19 + 35</answer></answer>", 0.0),
+    ("x</think>\n<answer><answer>44 + 19 + 35</answer>", 0.0),
+    ("x</think>\n</answer>44 + 19 + 35<answer>", 0.0),  # reversed tags
+    ("x</think>\n<answer>44 + 19 + 35", 0.0),
+    ("x</think>\n44 + 19 + 35</answer>", 0.0),
+    ("44 + 19 + 35", 0.0),
+    ("<ANSWER>44 + 19 + 35</ANSWER>", 0.0),
+]
+
+
+@pytest.mark.parametrize("response, expected", TAG_CASES)
+def test_answer_reward_tags(response, expected):
+    assert answer_reward(response, [44, 19, 35], 98) == expected
+
+
+def test_answer_length_limit_is_exact():
+    expression = "44 + 19 + 35"
+    at_limit = expression + " " * (MAX_ANSWER_CHARS - len(expression))
+    assert answer_reward(f"<answer>{at_limit}</answer>", [44, 19, 35], 98) == 1.0
+    assert answer_reward(f"<answer>{at_limit} </answer>", [44, 19, 35], 98) == 0.0
+
+
+# ----------------------------------------------------------------------------- total reward and end token
+
+REWARD_CASES = [
+    # (response, end_token, expected format reward, expected answer reward)
+    ("x</think>\n<answer>44 + 19 + 35</answer>" + END, END, 0.1, 1.0),
+    ("x</think>\n<answer>44 + 19 + 35</answer>", END, 0.1, 1.0),  # end token absent (length cut)
+    ("x</think>\n<answer>44 + 19 + 35</answer>", None, 0.1, 1.0),
+    ("x</think>\n<answer>44 + 19 + 35</answer>" + END, None, 0.0, 1.0),
+    ("x</think>\n<answer>44 + 19 + 35</answer>\n" + END, END, 0.1, 1.0),
+    ("x</think>\n<answer>44 + 19 + 35</answer>" + END + "\n", END, 0.0, 1.0),  # not at the very end
+    ("x</think>\n<answer>44 + 19 + 35</answer>" + END + END, END, 0.0, 1.0),  # removed once
+    (END + " x</think>\n<answer>44 + 19 + 35</answer>", END, 0.1, 1.0),  # only a final one is removed
+    ("x</think>\n<answer>44 + 19 - 35</answer>" + END, END, 0.1, 0.0),
+    ("x</think> so <answer>44 + 19 + 35</answer>" + END, END, 0.0, 1.0),
+    ("x</think>\n<answer>44 + 19 + 35" + END, END, 0.0, 0.0),
+]
+
+
+@pytest.mark.parametrize("response, end_token, expected_format, expected_answer", REWARD_CASES)
+def test_reward_function(response, end_token, expected_format, expected_answer):
+    result = reward_function(response, [44, 19, 35], 98, end_token)
+    assert result == {
+        "reward": expected_format + expected_answer,
+        "reward_info": {"format_reward": expected_format, "answer_reward": expected_answer},
+    }
+    item = {"nums": [44, 19, 35], "target": 98, "prompt": "unused", "prompt_token_ids": [1]}
+    assert reward_for_item(response, item, end_token) == result
+
+
+ADVERSARIAL_ANSWERS = [
+    "(" * 100_000,
+    ")" * 100_000,
+    "(" * 50_000 + "1" + ")" * 50_000,
+    "-" * 100_000 + "1",
+    "1" + "+1" * 50_000,
+    "9" * 100_000,  # Python refuses int() of more than 4300 digits
+    "9" * 4301,
+    "44 ** 19 ** 35",
+    "9 ** 9 ** 9",
+    "<answer>" * 50_000,
+    "\x00" * 100_000,
+    "\ud800" * 1000,  # lone surrogates
+]
+
+
+@pytest.mark.parametrize("text", ADVERSARIAL_ANSWERS, ids=lambda text: f"{text[:12]!r}x{len(text)}")
+def test_adversarial_answers_score_zero_without_raising(text):
+    assert reward_function(answer(text) + END, [44, 19, 35], 98, END)["reward_info"]["answer_reward"] == 0.0
+    assert parse_expression(text) is None
+
+
+def test_adversarial_whole_responses_score_zero():
+    for response in ("</think>" * 30_000, "<think>" * 30_000, "x" * 100_000, "</answer><answer>" * 10_000):
+        assert reward_function(response, [1, 2, 3], 6, END)["reward"] == 0.0
+
+
+# ----------------------------------------------------------------------------- parser against Fraction arithmetic
+
+ARITHMETIC = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "/": lambda a, b: a / b}
+
+
+@st.composite
+def expression_trees(draw, numbers):
+    """(text, Fraction value or None on division by zero) of a random fully parenthesized tree."""
+    whitespace = st.text(alphabet=string.whitespace, max_size=2)
+    nodes = [(str(number), Fraction(number)) for number in numbers]
+    while len(nodes) > 1:
+        left = nodes.pop(draw(st.integers(0, len(nodes) - 1)))
+        right = nodes.pop(draw(st.integers(0, len(nodes) - 1)))
+        symbol = draw(st.sampled_from("+-*/"))
+        if left[1] is None or right[1] is None or (symbol == "/" and right[1] == 0):
+            value = None
+        else:
+            value = ARITHMETIC[symbol](left[1], right[1])
+        text = f"({draw(whitespace)}{left[0]}{draw(whitespace)}{symbol}{draw(whitespace)}{right[0]}{draw(whitespace)})"
+        if draw(st.booleans()):
+            text, value = f"-{draw(whitespace)}{text}", None if value is None else -value
+        nodes.append((text, value))
+    return nodes[0]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data())
+def test_random_trees_score_exactly_when_their_value_is_the_target(data):
+    numbers = data.draw(st.lists(st.integers(0, 30), min_size=1, max_size=4))
+    text, value = data.draw(expression_trees(numbers))
+    integer_value = value is not None and value.denominator == 1
+    target = data.draw(st.integers(-50, 50) | st.just(int(value) if integer_value else 0))
+    given_numbers = data.draw(st.permutations(numbers))
+    expected = 1.0 if value is not None and value == target else 0.0
+    assert answer_reward(f"<answer>{text}</answer>", given_numbers, target) == expected
+    wrong_numbers = given_numbers[:-1] + [given_numbers[-1] + 1]
+    assert answer_reward(f"<answer>{text}</answer>", wrong_numbers, target) == 0.0
+
+
+def evaluate_flat(numbers: list[int], symbols: list[str]) -> Fraction | None:
+    """Reference precedence: fold * and / left to right into terms, then + and - left to right."""
+    terms, signs = [Fraction(numbers[0])], []
+    for symbol, number in zip(symbols, numbers[1:]):
+        if symbol in "*/":
+            if symbol == "/" and number == 0:
+                return None
+            terms[-1] = ARITHMETIC[symbol](terms[-1], Fraction(number))
+        else:
+            terms.append(Fraction(number))
+            signs.append(symbol)
+    total = terms[0]
+    for sign, term in zip(signs, terms[1:]):
+        total = ARITHMETIC[sign](total, term)
+    return total
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_unparenthesized_expressions_follow_precedence_and_associativity(data):
+    numbers = data.draw(st.lists(st.integers(0, 12), min_size=1, max_size=6))
+    symbols = data.draw(st.lists(st.sampled_from("+-*/"), min_size=len(numbers) - 1, max_size=len(numbers) - 1))
+    text = str(numbers[0]) + "".join(f" {symbol} {number}" for symbol, number in zip(symbols, numbers[1:]))
+    expected = evaluate_flat(numbers, symbols)
+    assert parse_expression(text) == (None if expected is None else (expected, numbers))
+
+
+# ----------------------------------------------------------------------------- solver
+
+
+def reachable_values(numbers: list[int]) -> set[Fraction]:
+    """Independent brute force: every order of the numbers, every bracketing of that sequence."""
+
+    def values_of_sequence(sequence: tuple[int, ...]) -> set[Fraction]:
+        if len(sequence) == 1:
+            return {Fraction(sequence[0])}
+        values = set()
+        for split in range(1, len(sequence)):
+            for left in values_of_sequence(sequence[:split]):
+                for right in values_of_sequence(sequence[split:]):
+                    values |= {left + right, left - right, left * right}
+                    if right != 0:
+                        values.add(left / right)
+        return values
+
+    return set().union(*(values_of_sequence(order) for order in itertools.permutations(numbers)))
+
+
+def check_solution(numbers: list[int], target: int, solution: str) -> None:
+    value, literals = parse_expression(solution)
+    assert value == target and Counter(literals) == Counter(numbers), (numbers, target, solution)
+
+
+@pytest.mark.parametrize("numbers", [[5], [2, 3], [1, 1, 1], [3, 3, 8, 8], [2, 5, 7], [4, 6, 9], [1, 2, 3, 4], [0, 7, 7]])
+def test_solver_agrees_with_independent_brute_force(numbers):
+    reachable = reachable_values(numbers)
+    for target in range(0, 41):
+        solution = solve(numbers, target)
+        assert (solution is not None) == (target in reachable), (numbers, target)
+        if solution is not None:
+            check_solution(numbers, target, solution)
+
+
+def test_solver_on_random_small_cases():
+    rng = random.Random(0)
+    for _ in range(30):
+        numbers = [rng.randint(1, 12) for _ in range(rng.randint(1, 3))]
+        reachable = reachable_values(numbers)
+        for target in range(1, 30):
+            solution = solve(numbers, target)
+            assert (solution is not None) == (target in reachable), (numbers, target)
+
+
+def test_solver_known_cases():
+    check_solution([3, 3, 8, 8], 24, solve([3, 3, 8, 8], 24))  # only 8 / (3 - 8 / 3) works
+    check_solution([44, 19, 35], 98, solve([44, 19, 35], 98))
+    assert solve([1, 1, 1], 100) is None
+    assert solve([1, 2, 3, 4], 1000) is None
+
+
+# ----------------------------------------------------------------------------- generator and dataset
+
+
+def generate(out_dir, *options: str) -> pa.Table:
+    main(["generate", "--out", str(out_dir), *options])
+    return pq.read_table(out_dir / "data" / "train-00000-of-00001.parquet")
+
+
+def test_generator_writes_solvable_tasks_in_the_hub_layout(tmp_path):
+    table = generate(tmp_path, "--size", "200", "--seed", "1", "--with-solutions")
+    assert table.schema == pa.schema([("target", pa.int64()), ("nums", pa.list_(pa.int64())), ("solution", pa.string())])
+    assert table.num_rows == 200
+    for row in table.to_pylist():
+        assert 3 <= len(row["nums"]) <= 4 and all(1 <= number <= 100 for number in row["nums"])
+        assert 1 <= row["target"] <= 100
+        check_solution(row["nums"], row["target"], row["solution"])
+        check_solution(row["nums"], row["target"], solve(row["nums"], row["target"]))
+    assert Counter(len(row["nums"]) for row in table.to_pylist()).keys() == {3, 4}
+
+
+def test_generator_options_and_determinism(tmp_path):
+    options = ["--size", "100", "--min-numbers", "2", "--max-numbers", "2", "--min-number", "5", "--max-number", "9", "--min-target", "10", "--max-target", "30"]
+    first = generate(tmp_path / "a", *options, "--seed", "7")
+    assert first.column_names == ["target", "nums"]  # no solution column unless asked
+    assert first.equals(generate(tmp_path / "b", *options, "--seed", "7"))
+    assert not first.equals(generate(tmp_path / "c", *options, "--seed", "8"))
+    for row in first.to_pylist():
+        assert len(row["nums"]) == 2 and all(5 <= number <= 9 for number in row["nums"])
+        assert 10 <= row["target"] <= 30 and row["target"] in reachable_values(row["nums"])
+
+
+def test_generator_names_an_unreachable_target_range(tmp_path):
+    with pytest.raises(ValueError, match="widen"):
+        generate(tmp_path, "--size", "1", "--max-number", "2", "--min-target", "50", "--max-target", "60", "--expressions-per-draw", "1")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return Tokenizer(tiny_model_dir)
+
+
+def test_prompt_text(tokenizer):
+    expected = (
+        "<|im_start|>system\nYou are a helpful assistant. You first think about the reasoning process in your mind "
+        "and then provide the user with the answer.<|im_end|>\n"
+        "<|im_start|>user\nUsing the numbers [44, 19, 35], create an equation that equals 98. You can use basic "
+        "arithmetic operations (+, -, *, /) and each number can only be used once. Show your work in <think> </think> "
+        "tags. And return the final answer in <answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>."
+        "<|im_end|>\n<|im_start|>assistant\nLet me solve this step by step.\n<think>"
+    )
+    assert render_prompt(tokenizer, [44, 19, 35], 98) == expected
+
+
+def test_dataset_reads_generated_data(tmp_path, tokenizer):
+    table = generate(tmp_path, "--size", "30", "--seed", "2", "--with-solutions").to_pylist()
+    train = CountdownDataset(tmp_path, tokenizer, split="train", test_size=8)
+    test = CountdownDataset(tmp_path, tokenizer, split="test", test_size=8)
+    assert len(train) == 22 and len(test) == 8
+    for dataset, rows in ((train, table[:22]), (test, table[22:])):
+        for index, row in enumerate(rows):
+            item = dataset[index]
+            assert {key: item[key] for key in ("nums", "target", "solution")} == row
+            assert item["prompt"] == render_prompt(tokenizer, row["nums"], row["target"])
+            assert item["prompt"].endswith(RESPONSE_PREFILL)
+            assert item["prompt_token_ids"] == tokenizer.encode(item["prompt"])
+    assert len(CountdownDataset(tmp_path, tokenizer, split="train", test_size=0)) == 30
+
+
+def test_dataset_reads_parquet_files_in_sorted_order(tmp_path, tokenizer):
+    (tmp_path / "data").mkdir()
+    for name, target in (("train-00001-of-00002.parquet", 2), ("train-00000-of-00002.parquet", 1)):
+        pq.write_table(pa.table({"nums": [[1, 2, 3]], "target": [target]}), tmp_path / "data" / name)
+    dataset = CountdownDataset(tmp_path, tokenizer, split="train", test_size=1)
+    assert len(dataset) == 1 and dataset[0]["target"] == 1 and "solution" not in dataset[0]
+    assert CountdownDataset(tmp_path, tokenizer, split="test", test_size=1)[0]["target"] == 2
+
+
+@pytest.mark.parametrize("make_dir", [lambda path: None, lambda path: (path / "data").mkdir(parents=True)])
+def test_missing_data_names_both_ways_to_get_it(tmp_path, tokenizer, make_dir):
+    data_dir = tmp_path / "countdown"
+    make_dir(data_dir)
+    with pytest.raises(FileNotFoundError) as error:
+        CountdownDataset(data_dir, tokenizer)
+    assert "git clone https://huggingface.co/datasets/Jiayi-Pan/Countdown-Tasks-3to4" in str(error.value)
+    assert "uv run countdown_task.py generate" in str(error.value)
+
+
+def test_dataset_rejects_bad_split_and_test_size(tmp_path, tokenizer):
+    generate(tmp_path, "--size", "5", "--seed", "0")
+    with pytest.raises(ValueError, match="test_size"):
+        CountdownDataset(tmp_path, tokenizer, test_size=5)
+    with pytest.raises(ValueError, match="split"):
+        CountdownDataset(tmp_path, tokenizer, split="validation", test_size=1)
+
+
+def test_git_lfs_pointer_is_named(tmp_path, tokenizer):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train-00000-of-00001.parquet").write_text("version https://git-lfs.github.com/spec/v1\n")
+    with pytest.raises(ValueError, match="git lfs pull"):
+        CountdownDataset(tmp_path, tokenizer)
