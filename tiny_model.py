@@ -123,7 +123,7 @@ def build_tiny_model(out_dir, *, seed: int = 0, tokenizer_vocab_size: int = 512,
     return out_dir
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--seed", type=int, default=0)
@@ -131,7 +131,7 @@ def main() -> None:
     for name, value in DEFAULT_SHAPE.items():
         kind = (lambda s: s.lower() == "true") if isinstance(value, bool) else type(value)
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=value)
-    args = vars(parser.parse_args())
+    args = vars(parser.parse_args(argv))
     out = build_tiny_model(args.pop("out"), **args)
     print(f"wrote {out}")
 

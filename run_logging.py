@@ -1,0 +1,52 @@
+"""Where a run's curves go: TensorBoard always, Weights & Biases when asked for."""
+
+import html
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch.utils.tensorboard import SummaryWriter
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoggingConfig:
+    log_dir: str = "logs"  # TensorBoard events go to <log_dir>/<run_name>
+    sample_interval: int = 10  # steps between sample episodes written as text
+    num_samples: int = 4
+    wandb: bool = False  # also log to Weights & Biases (uv sync --extra wandb)
+    wandb_project: str = "grpo-zero"
+
+
+class RunLogger:
+    """One call site for scalars and text, fanned out to TensorBoard and optionally W&B."""
+
+    def __init__(self, config: LoggingConfig, run_name: str, run_config: dict, resume_step: int = 0):
+        self.directory = Path(config.log_dir) / run_name
+        # purge_step drops events a crashed run wrote after the checkpoint we resume from.
+        self.writer = SummaryWriter(self.directory, purge_step=resume_step + 1 if resume_step else None)
+        self.wandb_run = None
+        if config.wandb:
+            try:
+                import wandb
+            except ImportError as error:
+                raise ImportError("logging.wandb is true but wandb is not installed: run `uv sync --extra wandb`.") from error
+            self.wandb_run = wandb.init(project=config.wandb_project, name=run_name, config=run_config, resume="allow")
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, step)
+        if self.wandb_run is not None:
+            self.wandb_run.log(values, step=step)
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        # TensorBoard renders text as markdown/HTML; escaping keeps <think> tags visible.
+        self.writer.add_text(tag, f"<pre>{html.escape(text)}</pre>", step)
+        if self.wandb_run is not None:
+            self.wandb_run.log({tag: text}, step=step)
+
+    def close(self) -> None:
+        self.writer.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()

@@ -1,0 +1,74 @@
+"""What the entry points (train.py, train_sft.py, evaluate.py) share: device, dtype, model loading,
+seeding and data order."""
+
+import random
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Literal
+
+import numpy as np
+import torch
+
+from qwen2_model import Transformer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' picks CUDA when present, else the CPU; asking for CUDA without one is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device: {name} was requested but no CUDA GPU is visible; use device: auto or cpu.")
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclass
+class ModelSetup:
+    dir: str = "Qwen2.5-3B-Instruct"  # a Hugging Face model directory
+    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    gradient_checkpointing: bool = True
+
+
+def load_model(setup: ModelSetup, device: torch.device, model_dir=None) -> Transformer:
+    """The model of `model_dir` (default: setup.dir) on `device`, in the configured dtype."""
+    model = Transformer.from_pretrained(model_dir or setup.dir, device=device, dtype=DTYPES[setup.dtype])
+    model.gradient_checkpointing = setup.gradient_checkpointing
+    return model
+
+
+@lru_cache(maxsize=4)
+def _epoch_permutation(seed: int, epoch: int, num_items: int) -> list[int]:
+    return torch.randperm(num_items, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+
+
+def step_indices(step: int, count: int, num_items: int, seed: int) -> list[int]:
+    """Dataset indices for a step: a fresh shuffle each epoch, and a fixed function of the step,
+    so resuming a run needs only the step number."""
+    indices = []
+    for position in range(step * count, (step + 1) * count):
+        epoch, offset = divmod(position, num_items)
+        indices.append(_epoch_permutation(seed, epoch, num_items)[offset])
+    return indices

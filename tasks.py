@@ -1,0 +1,47 @@
+"""The tasks train.py, train_sft.py and evaluate.py can run, behind one small interface.
+
+A task gives a dataset whose items carry `prompt` and `prompt_token_ids`, and a reward function
+`reward_for_item(response, item, end_token) -> {"reward", "reward_info": {"format_reward", "answer_reward"}}`.
+"""
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+import countdown_task
+import gsm8k_task
+
+
+@dataclass
+class TaskConfig:
+    name: Literal["countdown", "gsm8k"] = "countdown"
+    data_dir: str = "Countdown-Tasks-3to4"
+    test_size: int = 128  # countdown: the last rows held out for evaluation
+    prompt_template: str = "reasoning"  # gsm8k: prompts/<name>.txt or a file path
+
+
+def load_dataset(config: TaskConfig, tokenizer, split: str) -> torch.utils.data.Dataset:
+    if config.name == "countdown":
+        return countdown_task.CountdownDataset(config.data_dir, tokenizer, split, config.test_size)
+    return gsm8k_task.GSM8KDataset(config.data_dir, tokenizer, split, config.prompt_template)
+
+
+def reward_function(config: TaskConfig):
+    return countdown_task.reward_for_item if config.name == "countdown" else gsm8k_task.reward_for_item
+
+
+def is_success(reward_info: dict[str, float]) -> bool:
+    """A correct final answer, whatever the format."""
+    return reward_info["answer_reward"] > 0
+
+
+def is_well_formatted(reward_info: dict[str, float]) -> bool:
+    return reward_info["format_reward"] > 0
+
+
+def sft_pairs(config: TaskConfig, tokenizer) -> list[dict[str, str]]:
+    """{"prompt", "response"} pairs from the task's training split and its reference solutions."""
+    task_module = countdown_task if config.name == "countdown" else gsm8k_task
+    dataset = load_dataset(config, tokenizer, "train")
+    return [{"prompt": item["prompt"], "response": task_module.sft_response(item)} for item in dataset]

@@ -1,0 +1,141 @@
+"""train.py end to end on the tiny fixture: logs, checkpoints, resume, and config errors."""
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from transformers import AutoModelForCausalLM
+
+import config as config_lib
+import countdown_task
+import tasks
+import train
+from qwen2_model import Transformer
+
+EXPECTED_SCALARS = [
+    "train/loss", "reward/mean", "reward/std", "reward/format", "train/success_rate", "eval/success_rate",
+    "eval/format_rate", "train/grad_norm", "train/entropy", "train/learning_rate", "response_length/mean",
+    "response_length/min", "response_length/max", "train/finished_episodes", "train/zero_spread_group_fraction",
+    "time/rollout_seconds", "train/update_seconds", "time/generated_tokens_per_second",
+]
+
+
+@pytest.fixture(scope="module")
+def countdown_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("countdown")
+    countdown_task.main(["generate", "--out", str(out), "--size", "60", "--seed", "0", "--max-number", "20"])
+    return out
+
+
+@pytest.fixture
+def digit_reward(monkeypatch):
+    """A random tiny model never solves CountDown (all rewards 0, so no gradient); reward digits instead."""
+
+    def reward_for_item(response, item, end_token):
+        digits = sum(character.isdigit() for character in response) / max(len(response), 1)
+        return {"reward": digits, "reward_info": {"format_reward": 0.0, "answer_reward": float(digits > 0.3)}}
+
+    monkeypatch.setattr(tasks, "reward_function", lambda task_config: reward_for_item)
+
+
+def tiny_config(tmp_path, model_dir, data_dir, *overrides) -> train.TrainConfig:
+    values = {
+        "run_name": "tiny", "device": "cpu", "progress": False,
+        "model": {"dir": str(model_dir), "dtype": "float32", "gradient_checkpointing": False},
+        "task": {"data_dir": str(data_dir), "test_size": 4},
+        "rollout": {"episodes_per_step": 6, "num_answers_per_question": 3, "max_gen_len": 12},
+        "optim": {"num_steps": 3, "learning_rate": 1e-3, "micro_batch_size": 4},
+        "eval": {"interval": 2, "max_questions": 4, "max_gen_len": 8},
+        "logging": {"log_dir": str(tmp_path / "logs"), "sample_interval": 1, "num_samples": 2},
+        "checkpoint": {"dir": str(tmp_path / "checkpoints"), "interval": 2},
+    }
+    for assignment in overrides:
+        config_lib.apply_override(values, assignment)
+    return config_lib.build(train.TrainConfig, values)
+
+
+def read_scalars(log_dir):
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0}).Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_short_run_logs_metrics_and_writes_loadable_checkpoints(tmp_path, tiny_model_dir, countdown_dir, digit_reward):
+    train.train(tiny_config(tmp_path, tiny_model_dir, countdown_dir))
+    scalars = read_scalars(tmp_path / "logs" / "tiny")
+    missing = [tag for tag in EXPECTED_SCALARS if tag not in scalars]
+    assert not missing, missing
+    assert [step for step, _ in scalars["train/loss"]] == [1, 2, 3]
+    assert [step for step, _ in scalars["eval/success_rate"]] == [0, 2]
+    events = EventAccumulator(str(tmp_path / "logs" / "tiny")).Reload()
+    assert any(tag.startswith("episodes/") for tag in events.Tags()["tensors"])
+
+    run_dir = tmp_path / "checkpoints" / "tiny"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "step_000002", "step_000003"]
+    checkpoint = run_dir / "step_000003"
+    ours = Transformer.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    theirs = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    initial = Transformer.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    tokens = torch.randint(0, 400, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours(tokens) - theirs(tokens).logits).abs().max() <= 1e-4
+        assert (ours(tokens) - initial(tokens)).abs().max() > 1e-4  # training changed the policy
+
+
+def test_resume_equals_uninterrupted_run(tmp_path, tiny_model_dir, countdown_dir, digit_reward):
+    train.train(tiny_config(tmp_path / "full", tiny_model_dir, countdown_dir, "optim.num_steps=4"))
+    train.train(tiny_config(tmp_path / "cut", tiny_model_dir, countdown_dir, "optim.num_steps=2"))
+    resumed_config = tiny_config(tmp_path / "cut", tiny_model_dir, countdown_dir, "optim.num_steps=4")
+    train.train(resumed_config, resume=str(tmp_path / "cut" / "checkpoints" / "tiny"))
+    full = Transformer.from_pretrained(tmp_path / "full" / "checkpoints" / "tiny" / "step_000004", dtype=torch.float32)
+    resumed = Transformer.from_pretrained(tmp_path / "cut" / "checkpoints" / "tiny" / "step_000004", dtype=torch.float32)
+    for (name, a), b in zip(full.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+    full_loss = read_scalars(tmp_path / "full" / "logs" / "tiny")["train/loss"]
+    resumed_loss = read_scalars(tmp_path / "cut" / "logs" / "tiny")["train/loss"]
+    assert resumed_loss == full_loss
+
+
+def test_all_unfinished_episodes_skip_the_update(tmp_path, tiny_model_dir, countdown_dir, caplog):
+    """A random tiny model never says eos within 12 tokens, so overlong filtering leaves nothing."""
+    config = tiny_config(tmp_path, tiny_model_dir, countdown_dir, "optim.skip_unfinished_episodes=true",
+                         "optim.num_steps=1", "eval.interval=0")
+    train.train(config)
+    assert "no episodes to train on" in caplog.text
+    after = Transformer.from_pretrained(tmp_path / "checkpoints" / "tiny" / "step_000001", dtype=torch.float32)
+    before = Transformer.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(after.parameters(), before.parameters()))
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optim.learning_rat=1e-5", "unknown key 'optim.learning_rat'.*valid keys: num_steps, learning_rate"),
+        ("rollout.episodes_per_step=7", r"episodes_per_step \(7\) must be divisible by .*num_answers_per_question \(3\)"),
+        ("loss.aggregation=mean", "loss.aggregation: 'mean' is not allowed; use one of 'token', 'sequence', 'constant'"),
+        ("optim.micro_batch_size=two", "optim.micro_batch_size: expected int, got 'two'"),
+        ("optim.betas=[0.9]", "optim.betas: expected 2 values"),
+        ("modle.dir=x", "unknown key 'modle' in the top level"),
+    ],
+)
+def test_bad_config_names_the_key(tmp_path, tiny_model_dir, countdown_dir, override, message):
+    with pytest.raises(config_lib.ConfigError, match=message):
+        tiny_config(tmp_path, tiny_model_dir, countdown_dir, override)
+
+
+def test_command_line_reports_config_errors_before_any_work(tmp_path):
+    (tmp_path / "bad.yaml").write_text("optim:\n  num_step: 3\n")
+    with pytest.raises(SystemExit, match="config error: unknown key 'optim.num_step'"):
+        train.main(["--config", str(tmp_path / "bad.yaml")])
+
+
+def test_missing_model_and_data_say_how_to_get_them(tmp_path, tiny_model_dir, countdown_dir):
+    with pytest.raises(FileNotFoundError, match="git clone https://huggingface.co/Qwen/Qwen2.5-3B-Instruct"):
+        train.train(tiny_config(tmp_path, tmp_path / "no-model", countdown_dir))
+    with pytest.raises(FileNotFoundError, match="Countdown-Tasks-3to4"):
+        train.train(tiny_config(tmp_path, tiny_model_dir, tmp_path / "no-data"))
+
+
+def test_cuda_without_a_gpu_is_a_clear_error(tmp_path, tiny_model_dir, countdown_dir):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(RuntimeError, match="no CUDA GPU is visible"):
+        train.train(tiny_config(tmp_path, tiny_model_dir, countdown_dir, "device=cuda"))
