@@ -1,0 +1,324 @@
+"""GSM8K task: loaders, prompts, the answer grader (against Fraction arithmetic) and the reward."""
+
+import json
+import operator
+from fractions import Fraction
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gsm8k_task
+from gsm8k_task import (
+    GSM8KDataset,
+    answers_match,
+    clean_solution,
+    extract_answer_text,
+    extract_gold_answer,
+    load_gsm8k_rows,
+    load_prompt_template,
+    make_example,
+    parse_answer,
+    reward_for_item,
+    reward_function,
+)
+from tokenizer import Tokenizer
+
+# Typed by hand from the first row of each real split.
+FIRST_TRAIN_QUESTION = (
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?"
+)
+FIRST_TRAIN_SOLUTION = (
+    "Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips altogether in April and May."
+)
+FIRST_TEST_SOLUTION = (
+    "Janet sells 16 - 3 - 4 = 9 duck eggs a day.\nShe makes 9 * 2 = $18 every day at the farmer\u2019s market."
+)
+REASONING_PROMPT_HEAD = (
+    "A conversation between User and Assistant. The User asks a question, and the Assistant solves it. "
+    "The Assistant first thinks about the reasoning process in the mind and then provides the User with the answer. "
+    "The reasoning process is enclosed within <think> </think> and answer is enclosed within <answer> </answer> "
+    "tags, respectively, i.e., <think> reasoning process here </think> <answer> answer here </answer>.\nUser: "
+)
+REASONING_PROMPT_TAIL = "\nAssistant: <think>"
+
+
+def read_jsonl(path) -> list[dict]:
+    with open(path, encoding="utf-8") as jsonl_file:
+        return [json.loads(line) for line in jsonl_file]
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def test_jsonl_rows_match_the_raw_file(gsm8k_data_dir):
+    for split, expected_count in (("train", 7473), ("test", 1319)):  # counts from the data's README
+        rows = load_gsm8k_rows(gsm8k_data_dir, split)
+        assert len(rows) == expected_count
+        assert rows == read_jsonl(gsm8k_data_dir / f"{split}.jsonl")
+    assert load_gsm8k_rows(gsm8k_data_dir, "train")[0]["question"] == FIRST_TRAIN_QUESTION
+
+
+def test_hub_parquet_layout_reads_the_same_rows(tmp_path, gsm8k_data_dir):
+    rows = read_jsonl(gsm8k_data_dir / "test.jsonl")[:50]
+    (tmp_path / "main").mkdir()
+    table = pa.table({"question": [row["question"] for row in rows], "answer": [row["answer"] for row in rows]})
+    num_shards = 10  # enough that a loader ignoring shard order would almost surely scramble the rows
+    for shard in range(num_shards):
+        shard_path = tmp_path / "main" / f"test-{shard:05d}-of-{num_shards:05d}.parquet"
+        pq.write_table(table.slice(shard * 5, 5), shard_path)
+    pq.write_table(table.slice(0, 1), tmp_path / "main" / "train-00000-of-00001.parquet")
+    assert load_gsm8k_rows(tmp_path, "test") == rows
+    assert load_gsm8k_rows(tmp_path, "train") == rows[:1]
+
+
+def test_missing_or_wrong_data_is_explained(tmp_path):
+    with pytest.raises(FileNotFoundError, match="git clone https://huggingface.co/datasets/openai/gsm8k"):
+        load_gsm8k_rows(tmp_path / "nowhere", "train")
+    with pytest.raises(FileNotFoundError, match=r"train\.jsonl or main/train-00000-of-00001\.parquet"):
+        load_gsm8k_rows(tmp_path, "train")
+    (tmp_path / "main").mkdir()
+    (tmp_path / "main" / "train-00000-of-00001.parquet").write_text("version https://git-lfs.github.com/spec/v1\n")
+    with pytest.raises(ValueError, match="git lfs pull"):
+        load_gsm8k_rows(tmp_path, "train")
+    (tmp_path / "test.jsonl").write_text(json.dumps({"question": "q", "answer": "no final answer"}) + "\n")
+    with pytest.raises(ValueError, match="test row 0"):
+        load_gsm8k_rows(tmp_path, "test")
+
+
+def test_gold_answer_and_solution_cleaning():
+    solution = "He pays 1,000 + 200 = $<<1000+200=1200>>1,200.\nThat is <<1200/2=600>>600 a half.\n#### 1,200"
+    assert extract_gold_answer(solution) == "1200"
+    assert clean_solution(solution) == "He pays 1,000 + 200 = $1,200.\nThat is 600 a half."
+    assert extract_gold_answer("x is 3 > 2\n#### -7 ") == "-7"
+    with pytest.raises(ValueError, match="no '#### <answer>' line"):
+        extract_gold_answer("The answer is 5.")
+
+
+def test_dataset_items(tiny_model_dir, gsm8k_data_dir):
+    tokenizer = Tokenizer(tiny_model_dir)
+    dataset = GSM8KDataset(gsm8k_data_dir, tokenizer, split="test")
+    assert len(dataset) == 1319
+    item = dataset[0]
+    question = read_jsonl(gsm8k_data_dir / "test.jsonl")[0]["question"]
+    assert item["question"] == question and item["answer"] == "18"
+    assert item["solution"] == FIRST_TEST_SOLUTION
+    assert item["prompt"] == REASONING_PROMPT_HEAD + question + REASONING_PROMPT_TAIL
+    assert item["prompt_ends_with_think"] is True
+    assert tokenizer.decode(item["prompt_token_ids"]) == item["prompt"]
+    minimal_item = GSM8KDataset(gsm8k_data_dir, tokenizer, split="test", prompt_template="minimal")[0]
+    assert minimal_item["prompt"] == question and minimal_item["prompt_ends_with_think"] is False
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+def test_prompt_templates(tmp_path):
+    assert load_prompt_template("reasoning") == REASONING_PROMPT_HEAD + "{question}" + REASONING_PROMPT_TAIL
+    assert load_prompt_template("minimal") == "{question}"
+    custom = tmp_path / "custom.txt"
+    custom.write_text("Solve {like this}: {question}\n<think>\n\n")
+    example = make_example({"question": "What is {2}?", "answer": "2\n#### 2"}, load_prompt_template(custom))
+    assert example["prompt"] == "Solve {like this}: What is {2}?\n<think>\n"
+    assert example["prompt_ends_with_think"] is True
+    with pytest.raises(FileNotFoundError, match=r"neither one of \['minimal', 'reasoning'"):
+        load_prompt_template("no-such-template")
+    custom.write_text("no placeholder")
+    with pytest.raises(ValueError, match="no '{question}' placeholder"):
+        load_prompt_template(custom)
+
+
+# ----------------------------------------------------------------------------- grader
+
+EQUIVALENT = [
+    ("18", "18"), (" 18 ", "18"), ("18.0", "18"), ("18.", "18"), ("018", "18"), ("$18", "18"), ("\\$18", "18"),
+    ("$18.00", "18"), ("1,000", "1000"), ("1000", "1,000"), ("1{,}000", "1000"), ("1,234,567", "1234567"),
+    ("1/2", "0.5"), (".5", "1/2"), ("\\frac{1}{2}", "0.5"), ("\\dfrac{3}{6}", "1/2"), ("\\boxed{18}", "18"),
+    ("$\\boxed{18}$", "18"), ("\\(18\\)", "18"), ("\\boxed{\\$1,000}", "1000"), ("-3", "-3"), ("\u22123", "-3"),
+    ("- 3", "-3"), ("50%", "50"), ("50\\%", "50"), ("50 percent", "50"), ("18 dollars", "18"),
+    ("18 \\text{ dollars}.", "18"), ("$18 per hour", "18"), ("2+3*4", "14"), ("(2+3)*4", "20"), ("10-4-3", "3"),
+    ("8/4/2", "1"), ("2*3^2", "18"), ("-2^2", "-4"), ("2^3^2", "512"), ("2**10", "1024"), ("2^{-1}", "0.5"),
+    ("3 \\times 6", "18"), ("3 \\cdot 6", "18"), ("36 \\div 2", "18"), ("\\left(3+3\\right)*3", "18"),
+    ("\\frac{\\frac{1}{2}}{2}", "0.25"), ("--18", "18"),
+]
+NOT_EQUIVALENT = [
+    ("19", "18"), ("180", "18"), ("1.8", "18"), ("18.0000001", "18"), ("0.333", "1/3"), ("50%", "0.5"),
+    ("1,00", "100"), ("1,0000", "10000"), ("18 million", "18"), ("18 thousand", "18000"), ("eighteen", "18"),
+    ("18 or 19", "18"), ("18, 19", "18"), ("18 and a half", "18"), ("x = 18", "18"), ("The answer is 18", "18"),
+    ("3 x 6", "18"), ("1e3", "1000"), ("1 1/2", "1.5"), ("2(9)", "18"), ("\\sqrt{324}", "18"), ("18k", "18"),
+    ("", "18"), ("   ", "18"), ("\\boxed{}", "18"), ("(18", "18"), ("18)", "18"), ("\u0661\u0668", "18"),
+    ("18", "not a number"), ("18/0", "18"), ("0^-1", "0"),
+]
+
+
+@pytest.mark.parametrize(("predicted", "gold"), EQUIVALENT)
+def test_equivalent_answers_are_accepted(predicted, gold):
+    assert answers_match(predicted, gold)
+
+
+@pytest.mark.parametrize(("predicted", "gold"), NOT_EQUIVALENT)
+def test_different_or_unreadable_answers_are_rejected(predicted, gold):
+    assert not answers_match(predicted, gold)
+
+
+HOSTILE = [
+    ("9" * 1_000_000, None),
+    ("1" * 257, None),  # one past the length limit
+    ("(" * 33 + "1" + ")" * 33, None),  # one past the nesting limit
+    ("(" * 31 + "1" + ")" * 31, Fraction(1)),
+    ("(" * 100_000, None),
+    ("\\frac" * 50 + "1", None),
+    ("9^9^9", None),
+    ("10^5000", None),
+    ("2^-5000", None),
+    ("(10^100)^(10^100)", None),
+    ("1^100000", None),  # refused by the size bound even though the value is small
+    ("2^1000", Fraction(2) ** 1000),
+    ("-" * 250 + "1", Fraction(1)),
+    ("1/(1-1)", None),
+    ("4^(1/2)", None),  # roots leave the rationals
+    ("4^0.5", None),
+    ("0^-1", None),  # sympy would give zoo
+    ("0^{-2}", None),
+    ("\\frac{1}{0}", None),
+    ("\x00", None),
+    ("1" + "*1" * 127, Fraction(1)),
+    ("1" * 200 + "*" + "1" * 55, Fraction(int("1" * 200) * int("1" * 55))),
+]
+
+
+@pytest.mark.parametrize(("text", "value"), HOSTILE, ids=lambda case: repr(case)[:30])
+def test_hostile_answers(text, value):
+    assert parse_answer(text) == value
+
+
+# Expression trees with Fraction values as the independent reference; None marks division by zero.
+leaves = st.one_of(
+    st.integers(0, 10**6).map(lambda number: (Fraction(number), str(number))),
+    st.decimals(0, 1000, places=3).map(lambda number: (Fraction(str(number)), str(number))),
+)
+
+
+ARITHMETIC = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
+
+
+def combine(symbol: str, left, right, latex_fraction: bool):
+    (left_value, left_text), (right_value, right_text) = left, right
+    if left_value is None or right_value is None or (symbol == "/" and right_value == 0):
+        value = None
+    else:
+        value = ARITHMETIC[symbol](left_value, right_value)
+    if symbol == "/" and latex_fraction:
+        return value, f"\\frac{{{left_text}}}{{{right_text}}}"
+    return value, f"({left_text} {symbol} {right_text})"
+
+
+expressions = st.recursive(
+    leaves,
+    lambda children: st.builds(combine, st.sampled_from("+-*/"), children, children, st.booleans()),
+    max_leaves=8,
+)
+
+
+@given(expressions)
+@settings(max_examples=300, deadline=None)
+def test_parser_matches_fraction_arithmetic(expression):
+    value, text = expression
+    assert parse_answer(text) == value
+    assert parse_answer(f"\\boxed{{{text}}}") == value
+
+
+@given(st.text(alphabet="0123456789.,+-*/^(){}%$\\ fracboxedtxlm", max_size=60))
+@settings(max_examples=500, deadline=None)
+def test_grader_never_raises(text):
+    assert answers_match(text, "18") in (True, False)
+    result = reward_function(f"x</think> <answer>{text}</answer>", "18")
+    assert result["reward"] in (0.1, 1.1)
+
+
+def test_every_real_gold_answer_grades_against_its_variants(gsm8k_data_dir):
+    for split in ("train", "test"):
+        for row in load_gsm8k_rows(gsm8k_data_dir, split):
+            gold = extract_gold_answer(row["answer"])
+            number = int(gold)  # every GSM8K final answer is an integer
+            raw_final_line = row["answer"].rpartition("####")[2]  # as the data writes it, commas included
+            for variant in (gold, raw_final_line, f"{number:,}", f"{number}.0", f"${number}", f"\\boxed{{{number}}}"):
+                assert answers_match(variant, gold), (variant, gold)
+            for wrong in (number + 1, number * 10 if number else 1):
+                assert not answers_match(str(wrong), gold), (wrong, gold)
+
+
+# ----------------------------------------------------------------------------- reward
+
+REWARDS = [
+    # (response after the "<think>" prefill, format reward, answer reward)
+    ("16 - 3 - 4 = 9; 9 * 2 = 18 </think> <answer> 18 </answer>", 0.1, 1.0),
+    ("reasoning </think>\n<answer>$18</answer>\n", 0.1, 1.0),
+    ("reasoning </think> <answer> 17 </answer>", 0.1, 0.0),
+    ("reasoning </think> so <answer> 18 </answer>", 0.0, 1.0),  # text between </think> and <answer>
+    ("reasoning </think> <answer> 18 </answer> done", 0.0, 1.0),  # text after </answer>
+    ("reasoning <answer> 18 </answer>", 0.0, 1.0),  # no </think>
+    ("<think> reasoning </think> <answer> 18 </answer>", 0.0, 1.0),  # a second <think>
+    ("reasoning </think> <answer> 18 </answer> <answer> 18 </answer>", 0.0, 0.0),
+    ("reasoning </think> </answer> 18 <answer>", 0.0, 0.0),
+    ("reasoning, the answer is 18", 0.0, 0.0),
+    ("", 0.0, 0.0),
+]
+
+
+@pytest.mark.parametrize(("response", "format_score", "answer_score"), REWARDS)
+def test_reward_after_think_prefill(response, format_score, answer_score):
+    expected = {"reward": format_score + answer_score, "reward_info": {"format_reward": format_score, "answer_reward": answer_score}}
+    assert reward_function(response, "18") == expected
+    assert reward_function(response + "<|endoftext|>", "18", end_token="<|endoftext|>") == expected
+    # Without the prefill, the same response must open its own <think>, optionally after free text.
+    for opening in ("<think>", "Let me think. <think>\n"):
+        assert reward_function(opening + response, "18", prompt_ends_with_think=False) == expected
+    if "<think>" not in response:
+        assert reward_function(response, "18", prompt_ends_with_think=False)["reward_info"]["format_reward"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("response", "answer_text"),
+    [("<answer> 18 </answer>", " 18 "), ("a<answer></answer>b", ""), ("</answer> 18 <answer>", None),
+     ("<answer> 18", None), ("<answer><answer> 18 </answer>", None), ("no tags", None)],
+)
+def test_extract_answer_text(response, answer_text):
+    assert extract_answer_text(response) == answer_text
+
+
+def test_reward_without_prefill_rejects_tags_before_think():
+    response = "</think> <think> a </think> <answer> 18 </answer>"
+    assert reward_function(response, "18", prompt_ends_with_think=False)["reward_info"]["format_reward"] == 0.0
+
+
+def test_reward_on_huge_response_is_zero():
+    response = "a </think> <answer>" + "1" * 1_000_000 + "</answer>"
+    assert reward_function(response, "18") == {"reward": 0.1, "reward_info": {"format_reward": 0.1, "answer_reward": 0.0}}
+
+
+# ----------------------------------------------------------------------------- SFT data
+
+
+@pytest.mark.parametrize("template_name", ["reasoning", "minimal"])
+def test_sft_data_gets_full_reward_on_every_train_row(tmp_path, gsm8k_data_dir, template_name):
+    out_path = tmp_path / "sft" / "train.jsonl"
+    gsm8k_task.main(["sft-data", "--data", str(gsm8k_data_dir), "--out", str(out_path), "--prompt-template", template_name])
+    lines = read_jsonl(out_path)
+    rows = read_jsonl(gsm8k_data_dir / "train.jsonl")
+    assert len(lines) == len(rows) == 7473
+    template = {"reasoning": REASONING_PROMPT_HEAD + "{question}" + REASONING_PROMPT_TAIL, "minimal": "{question}"}
+    for line, row in zip(lines, rows):
+        head, _, tail = template[template_name].partition("{question}")
+        assert line["prompt"] == head + row["question"] + tail
+        item = {"answer": row["answer"].rpartition("####")[2].strip(), "prompt_ends_with_think": template_name == "reasoning"}
+        assert reward_for_item(line["response"], item) == {
+            "reward": 1.1,
+            "reward_info": {"format_reward": 0.1, "answer_reward": 1.0},
+        }, line["response"]
+    first = lines[0]["response"]
+    expected_first = FIRST_TRAIN_SOLUTION + " </think> <answer> 72 </answer>"
+    assert first == (expected_first if template_name == "reasoning" else "<think> " + expected_first)
