@@ -17,6 +17,9 @@ from qwen2_model import KVCache, Transformer
 # Reading the finished flags forces a host-device sync; doing it every few steps keeps the device
 # queue full at the cost of a few wasted tokens for rows that finished in between.
 FINISHED_CHECK_INTERVAL = 8
+# A compiled step is specialised to the cache length; rounding it up lets batches whose longest
+# prompts differ share one compiled graph (and, freed and reallocated, usually the same addresses).
+COMPILED_CACHE_LENGTH_MULTIPLE = 256
 
 
 @dataclass
@@ -82,6 +85,18 @@ def prefill(model: Transformer, prompts: list[list[int]], max_seq_len: int):
     return kv_cache, model.lm_head(last_hidden), lengths
 
 
+def keep_rows_in_place(kv_cache: KVCache, rows: torch.Tensor) -> KVCache:
+    """The cache of `rows` (ascending), moved to the front of each buffer one layer at a time.
+
+    KVCache.select would build the whole new cache before the old one is freed; at 256 rows of a
+    3B model that transient second cache is 12 GB. Here the extra memory is one layer's rows.
+    """
+    keys, values = (
+        [buffer[: len(rows)].copy_(buffer[rows]) for buffer in buffers] for buffers in (kv_cache.keys, kv_cache.values)
+    )
+    return KVCache(keys, values)
+
+
 def check_arguments(prompts, num_samples_per_prompt, max_gen_len, temperature, top_p, stop_lengths) -> None:
     if not prompts:
         raise ValueError("prompts is empty; pass at least one tokenized prompt.")
@@ -124,36 +139,65 @@ def generate(
     generator: drives all sampling; it must live on the model's device.
     share_prompt_prefill=False, evict_finished=False is the simple reference path: every prompt is
     prefilled once per sample and every row decodes until the last one finishes.
-    compile_decode: on CUDA, run each decode step as a captured CUDA graph. Finished rows are then
-    kept in the batch: every new batch size would need its own compile and capture, which costs far
-    more than decoding a few finished rows inside an already captured graph.
+    compile_decode: on CUDA, run each decode step as a captured CUDA graph (see `decode`); ignored
+    elsewhere.
     stop_lengths: optional per-completion length limits below max_gen_len (benchmarks plant them
     because random weights never emit eos); a row that hits its limit is not `finished`.
     """
     check_arguments(prompts, num_samples_per_prompt, max_gen_len, temperature, top_p, stop_lengths)
     device = model.embed_tokens.weight.device
-    num_rows = len(prompts) * num_samples_per_prompt
+    compiled = compile_decode and device.type == "cuda"
     # The last sampled token is never fed back, so it needs no cache slot.
     max_seq_len = max(len(prompt) for prompt in prompts) + max_gen_len - 1
-    if share_prompt_prefill:
-        kv_cache, logits, positions = prefill(model, prompts, max_seq_len)
-        sample_rows = torch.arange(len(prompts), device=device).repeat_interleave(num_samples_per_prompt)
-        kv_cache, logits, positions = kv_cache.select(sample_rows), logits[sample_rows], positions[sample_rows]
-    else:
-        repeated = [prompt for prompt in prompts for _ in range(num_samples_per_prompt)]
-        kv_cache, logits, positions = prefill(model, repeated, max_seq_len)
-
-    compiled = compile_decode and device.type == "cuda"
-    step_fn = compiled_decode_step() if compiled else decode_step
     if compiled:
-        evict_finished = False
-        for tensor in kv_cache.keys + kv_cache.values:
-            # The cache is written in place every step; a static address lets the graph do that directly.
-            torch._dynamo.mark_static_address(tensor, guard=False)
-
-    length_limits = torch.full((num_rows,), max_gen_len, device=device)
+        max_seq_len = -(-max_seq_len // COMPILED_CACHE_LENGTH_MULTIPLE) * COMPILED_CACHE_LENGTH_MULTIPLE
+    kv_cache, logits, positions = prefill_rows(model, prompts, num_samples_per_prompt, max_seq_len, share_prompt_prefill)
+    length_limits = torch.full((len(logits),), max_gen_len, device=device)
     if stop_lengths is not None:
         length_limits = length_limits.minimum(torch.tensor(stop_lengths, device=device))
+    outputs = decode(
+        model, kv_cache, logits, positions, length_limits, eos_token_id, temperature, top_p, generator,
+        evict_finished=evict_finished and not compiled, compiled=compiled, progress=progress,
+    )
+    return completions_from_outputs(outputs.tolist(), length_limits.tolist(), eos_token_id)
+
+
+def prefill_rows(model: Transformer, prompts, num_samples_per_prompt: int, max_seq_len: int, share_prompt_prefill: bool):
+    """Cache, next-token logits and positions for every completion row, prompt-major."""
+    if not share_prompt_prefill:
+        return prefill(model, [prompt for prompt in prompts for _ in range(num_samples_per_prompt)], max_seq_len)
+    kv_cache, logits, positions = prefill(model, prompts, max_seq_len)
+    rows = torch.arange(len(prompts), device=logits.device).repeat_interleave(num_samples_per_prompt)
+    return kv_cache.select(rows), logits[rows], positions[rows]
+
+
+def decode(
+    model: Transformer,
+    kv_cache: KVCache,
+    logits: torch.Tensor,
+    positions: torch.Tensor,
+    length_limits: torch.Tensor,
+    eos_token_id: int,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None,
+    evict_finished: bool,
+    compiled: bool,
+    progress: bool,
+) -> torch.Tensor:
+    """Generated ids [rows, max(length_limits)], each row valid up to its eos or its length limit.
+
+    compiled: run each step as a captured CUDA graph. Finished rows then stay in the batch: every
+    new batch size would need its own compile and capture, which costs far more than decoding a few
+    finished rows inside an already captured graph.
+    """
+    device, num_rows, max_gen_len = logits.device, len(logits), int(length_limits.max())
+    step_fn = compiled_decode_step() if compiled else decode_step
+    if compiled:
+        for tensor in kv_cache.keys + kv_cache.values:
+            # The cache is written in place every step; a static address lets the graph do that directly
+            # (unguarded: a new cache's address re-records the graph instead of recompiling the step).
+            torch._dynamo.mark_static_address(tensor, guard=False)
     outputs = torch.full((num_rows, max_gen_len), eos_token_id, device=device)
     # State of the active rows; eviction shrinks these together with the cache.
     row_ids, limits = torch.arange(num_rows, device=device), length_limits
@@ -171,7 +215,7 @@ def generate(
                 break
             if evict_finished and finished.any():
                 active = (~finished).nonzero().squeeze(1)
-                kv_cache = kv_cache.select(active)
+                kv_cache = keep_rows_in_place(kv_cache, active)
                 next_tokens, positions, row_ids, limits = (t[active] for t in (next_tokens, positions, row_ids, limits))
                 finished = finished[active]
         uniforms = draw_uniforms(len(row_ids), temperature, generator, device)
@@ -182,7 +226,7 @@ def generate(
             next_tokens = next_tokens.clone()  # the graph's output buffer is overwritten by its next replay
         positions = positions + 1
     bar.close()
-    return completions_from_outputs(outputs.tolist(), length_limits.tolist(), eos_token_id)
+    return outputs
 
 
 def draw_uniforms(num_rows: int, temperature: float, generator, device) -> torch.Tensor | None:

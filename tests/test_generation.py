@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from generation import Completion, decode_step, generate, sample
+from generation import Completion, decode_step, generate, keep_rows_in_place, sample
 from qwen2_model import Transformer, init_weights
 
 FLAG_COMBINATIONS = [
@@ -160,6 +160,18 @@ def test_seeded_sampling_is_reproducible(model, prompts, flags):
     run = lambda seed: generate(model, prompts, 3, 16, -1, generator=torch.Generator().manual_seed(seed), **flags)
     assert run(5) == run(5)
     assert run(5) != run(6)
+
+
+def test_eviction_compacts_rows_inside_the_same_buffers(model):
+    cache = model.new_kv_cache(5, 7)
+    for buffer in cache.keys + cache.values:
+        buffer.copy_(torch.randn(buffer.shape))
+    rows = torch.tensor([1, 3, 4])
+    expected = cache.select(rows)
+    pointers = [buffer.data_ptr() for buffer in cache.keys + cache.values]
+    kept = keep_rows_in_place(cache, rows)
+    assert all(torch.equal(a, b) for a, b in zip(kept.keys + kept.values, expected.keys + expected.values))
+    assert [buffer.data_ptr() for buffer in kept.keys + kept.values] == pointers
 
 
 def test_decode_step_traces_as_one_graph(model, prompts):
