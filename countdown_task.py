@@ -149,7 +149,8 @@ NEGATE = "neg"  # unary minus on the operator stack; binds tighter than any bina
 OPERATOR_PRECEDENCE = {**BINARY_PRECEDENCE, NEGATE: 3}
 
 
-def _evaluate(tokens: list[str]) -> Fraction | None:
+def _evaluate(tokens: list[str], steps: list[str] | None = None) -> Fraction | None:
+    """Value of the token list, or None; binary operations are appended to `steps` as "a op b = c"."""
     values: list[Fraction] = []
     operators: list[str] = []  # NEGATE, binary operators and "("
     expect_operand = True
@@ -167,13 +168,13 @@ def _evaluate(tokens: list[str]) -> Fraction | None:
         elif token in BINARY_PRECEDENCE:
             # Pop operators of equal precedence too: binary operators are left-associative.
             while operators and operators[-1] != "(" and OPERATOR_PRECEDENCE[operators[-1]] >= BINARY_PRECEDENCE[token]:
-                if not _apply(operators.pop(), values):
+                if not _apply(operators.pop(), values, steps):
                     return None
             operators.append(token)
             expect_operand = True
         elif token == ")":
             while operators and operators[-1] != "(":
-                if not _apply(operators.pop(), values):
+                if not _apply(operators.pop(), values, steps):
                     return None
             if not operators:
                 return None
@@ -184,12 +185,12 @@ def _evaluate(tokens: list[str]) -> Fraction | None:
         return None
     while operators:
         symbol = operators.pop()
-        if symbol == "(" or not _apply(symbol, values):
+        if symbol == "(" or not _apply(symbol, values, steps):
             return None
     return values[0]
 
 
-def _apply(symbol: str, values: list[Fraction]) -> bool:
+def _apply(symbol: str, values: list[Fraction], steps: list[str] | None = None) -> bool:
     """Replace the top operand(s) of `values` with the result; False on division by zero."""
     if symbol == NEGATE:
         values.append(-values.pop())
@@ -198,7 +199,18 @@ def _apply(symbol: str, values: list[Fraction]) -> bool:
     if symbol == "/" and right == 0:
         return False
     values.append(ARITHMETIC[symbol](left, right))
+    if steps is not None:
+        steps.append(f"{left} {symbol} {right} = {values[-1]}")
     return True
+
+
+def sft_response(item: dict) -> str:
+    """A reference response for SFT: the solution's operations as the reasoning, then the solution."""
+    if "solution" not in item:
+        raise ValueError("SFT on CountDown needs reference solutions: generate the data with --with-solutions.")
+    steps: list[str] = []
+    _evaluate(EXPRESSION_TOKEN.findall(item["solution"]), steps)
+    return f" {', '.join(steps)} </think>\n<answer> {item['solution']} </answer>"
 
 
 def format_reward(response: str) -> float:

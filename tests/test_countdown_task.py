@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import countdown_task
 from countdown_task import (
     MAX_ANSWER_CHARS,
     RESPONSE_PREFILL,
@@ -442,3 +443,16 @@ def test_git_lfs_pointer_is_named(tmp_path, tokenizer):
     (tmp_path / "data" / "train-00000-of-00001.parquet").write_text("version https://git-lfs.github.com/spec/v1\n")
     with pytest.raises(ValueError, match="git lfs pull"):
         CountdownDataset(tmp_path, tokenizer)
+
+
+def test_sft_response_spells_out_steps_and_scores_full_reward(tmp_path):
+    countdown_task.main(["generate", "--out", str(tmp_path), "--size", "200", "--seed", "3", "--with-solutions"])
+    table = countdown_task.read_tasks(tmp_path)
+    for nums, target, solution in zip(*(table.column(name).to_pylist() for name in ("nums", "target", "solution"))):
+        response = countdown_task.sft_response({"nums": nums, "target": target, "solution": solution})
+        assert countdown_task.reward_function(response, nums, target)["reward"] == pytest.approx(1.1)
+        steps = response.split("</think>")[0].split(", ")
+        assert len(steps) == len(nums) - 1 and steps[-1].endswith(f"= {target}")
+    assert countdown_task.sft_response({"solution": "(3 + 5) * 2"}) == (
+        " 3 + 5 = 8, 8 * 2 = 16 </think>\n<answer> (3 + 5) * 2 </answer>"
+    )

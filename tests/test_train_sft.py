@@ -1,0 +1,89 @@
+"""train_sft.py: the masked NLL against a hand computation, and short runs on the tiny fixture."""
+
+import json
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from transformers import AutoModelForCausalLM
+
+import config as config_lib
+import countdown_task
+import train_sft
+from qwen2_model import Transformer
+from tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def countdown_with_solutions(tmp_path_factory):
+    out = tmp_path_factory.mktemp("countdown-sft")
+    countdown_task.main(["generate", "--out", str(out), "--size", "80", "--seed", "1", "--max-number", "20",
+                         "--with-solutions"])
+    return out
+
+
+def sft_config(tmp_path, model_dir, data_dir, *overrides) -> train_sft.SFTConfig:
+    values = {
+        "output_dir": str(tmp_path / "sft-out"), "run_name": "sft", "device": "cpu", "progress": False,
+        "model": {"dir": str(model_dir), "dtype": "float32", "gradient_checkpointing": False},
+        "task": {"data_dir": str(data_dir), "test_size": 8},
+        "data": {"eval_size": 16},
+        "optim": {"num_steps": 12, "batch_size": 8, "micro_batch_size": 4, "learning_rate": 3e-3},
+        "eval": {"interval": 12, "max_questions": 4, "max_gen_len": 24},
+        "logging": {"log_dir": str(tmp_path / "logs")},
+    }
+    for assignment in overrides:
+        config_lib.apply_override(values, assignment)
+    return config_lib.build(train_sft.SFTConfig, values)
+
+
+def test_response_nll_counts_only_response_tokens(tiny_model_dir):
+    model = Transformer.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    examples = [([5, 6, 7, 8, 9], 2), ([10, 11, 12], 1)]  # (ids, prompt length)
+    nll, count = train_sft.response_nll(model, examples, pad_token_id=0, chunk_size=2)
+    expected = 0.0
+    for ids, prompt_length in examples:
+        log_probs = torch.log_softmax(model(torch.tensor([ids]))[0], dim=-1)
+        expected -= sum(log_probs[t - 1, ids[t]].item() for t in range(prompt_length, len(ids)))
+    assert count == 3 + 2
+    assert nll.item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_countdown_sft_lowers_held_out_loss_and_saves_a_hub_model(tmp_path, tiny_model_dir, countdown_with_solutions):
+    metrics = train_sft.train_sft(sft_config(tmp_path, tiny_model_dir, countdown_with_solutions))
+    events = EventAccumulator(str(tmp_path / "logs" / "sft")).Reload()
+    held_out_loss = {event.step: event.value for event in events.Scalars("eval/loss")}
+    assert held_out_loss[12] < held_out_loss[0] - 0.5
+    assert {"eval/success_rate", "eval/format_rate"} <= metrics.keys()
+    saved = tmp_path / "sft-out"
+    tokens = torch.randint(0, 400, (2, 9), generator=torch.Generator().manual_seed(0))
+    ours = Transformer.from_pretrained(saved, dtype=torch.float32)
+    theirs = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+    with torch.no_grad():
+        assert (ours(tokens) - theirs(tokens).logits).abs().max() <= 1e-4
+    assert Tokenizer(saved).eos_token == "<|im_end|>" and (saved / "config.yaml").is_file()
+
+
+def test_jsonl_pairs_are_read(tmp_path, tiny_model_dir, countdown_with_solutions):
+    pairs = [{"prompt": f"Q{i}: 2 + {i} =", "response": f" {2 + i}"} for i in range(30)]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    config = sft_config(tmp_path, tiny_model_dir, countdown_with_solutions, f"data.train_jsonl={tmp_path / 'pairs.jsonl'}",
+                        "eval.max_questions=0", "optim.num_steps=2")
+    tokenizer = Tokenizer(tiny_model_dir)
+    train_examples, eval_examples = train_sft.load_examples(config, tokenizer)
+    assert (len(train_examples), len(eval_examples)) == (14, 16)
+    ids, prompt_length = eval_examples[0]
+    assert tokenizer.decode(ids[prompt_length:]) == " 16<|im_end|>"
+    assert "eval/loss" in train_sft.train_sft(config)
+
+
+def test_bad_inputs_are_explained(tmp_path, tiny_model_dir, countdown_with_solutions):
+    (tmp_path / "bad.jsonl").write_text('{"question": "x"}\n')
+    with pytest.raises(ValueError, match='"prompt" and "response"'):
+        train_sft.read_pairs(tmp_path / "bad.jsonl")
+    with pytest.raises(config_lib.ConfigError, match=r"optim.batch_size \(8\) must be divisible by optim.micro_batch_size \(3\)"):
+        sft_config(tmp_path, tiny_model_dir, countdown_with_solutions, "optim.micro_batch_size=3")
+    no_solutions = tmp_path / "plain"
+    countdown_task.main(["generate", "--out", str(no_solutions), "--size", "30", "--max-number", "20"])
+    with pytest.raises(ValueError, match="--with-solutions"):
+        train_sft.train_sft(sft_config(tmp_path, tiny_model_dir, no_solutions))

@@ -1,0 +1,227 @@
+"""Supervised fine-tuning on prompt/response pairs: the warm-up stage before GRPO.
+
+    uv run train_sft.py --config FILE [--set section.key=value ...]
+
+Pairs come from a JSONL file of {"prompt", "response"} lines, or from the task's own training split
+with its reference solutions (CountDown generated with --with-solutions, GSM8K worked solutions).
+The loss is the NLL of response tokens only (eos included, so the model learns to stop), averaged
+over every response token of the optimizer step. The result is a Hugging Face model directory.
+"""
+
+import argparse
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import checkpoint
+import config as config_lib
+import tasks
+from evaluate import EvalConfig, evaluate
+from logprobs import token_log_probs
+from optimizer import MemoryEfficientAdamW
+from run_logging import LoggingConfig, RunLogger
+from runtime import ModelSetup, load_model, resolve_device, seed_everything, step_indices
+from tokenizer import Tokenizer
+
+logger = logging.getLogger("train_sft")
+
+
+@dataclass
+class SFTDataConfig:
+    train_jsonl: str | None = None  # {"prompt", "response"} lines; null: the task's training split
+    eval_jsonl: str | None = None  # held-out pairs for the loss; null: the last eval_size training pairs
+    eval_size: int = 200
+    max_seq_len: int = 1024  # longer pairs are left out
+
+
+@dataclass
+class SFTOptimConfig:
+    num_steps: int = 1000
+    batch_size: int = 32  # pairs per optimizer step
+    micro_batch_size: int = 8
+    learning_rate: float = 1e-5
+    min_learning_rate_ratio: float = 0.1  # cosine decay to learning_rate x this
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    memory_efficient_adamw: bool = False
+    logprob_chunk_size: int = 512
+
+
+@dataclass
+class SFTConfig:
+    output_dir: str = "sft_model"  # the fine-tuned model, in the Hugging Face layout
+    run_name: str | None = None
+    seed: int = 1337
+    device: str = "auto"
+    progress: bool = True
+    model: ModelSetup = field(default_factory=ModelSetup)
+    task: tasks.TaskConfig = field(default_factory=tasks.TaskConfig)
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    optim: SFTOptimConfig = field(default_factory=SFTOptimConfig)
+    eval: EvalConfig = field(default_factory=lambda: EvalConfig(interval=100, max_questions=200, max_gen_len=256))
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self) -> None:
+        if self.optim.batch_size % self.optim.micro_batch_size:
+            raise config_lib.ConfigError(
+                f"optim.batch_size ({self.optim.batch_size}) must be divisible by optim.micro_batch_size "
+                f"({self.optim.micro_batch_size})"
+            )
+
+
+def read_pairs(path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"SFT data file '{path}' does not exist (JSONL with \"prompt\" and \"response\" keys).")
+    pairs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not pairs or any(not {"prompt", "response"} <= set(pair) for pair in pairs):
+        raise ValueError(f"{path}: every line must be a JSON object with \"prompt\" and \"response\" keys.")
+    return pairs
+
+
+def tokenize_pairs(pairs: list[dict], tokenizer, max_seq_len: int) -> list[tuple[list[int], int]]:
+    """(token ids, number of prompt tokens) per pair; the response ends with eos."""
+    examples = []
+    for pair in pairs:
+        prompt_ids = tokenizer.encode(pair["prompt"])
+        ids = prompt_ids + tokenizer.encode(pair["response"]) + [tokenizer.eos_token_id]
+        if len(ids) <= max_seq_len:
+            examples.append((ids, len(prompt_ids)))
+    if not examples:
+        raise ValueError(f"no SFT example fits data.max_seq_len={max_seq_len}; raise it.")
+    return examples
+
+
+def load_examples(config: SFTConfig, tokenizer):
+    if config.data.train_jsonl:
+        train_pairs = read_pairs(config.data.train_jsonl)
+    else:
+        train_pairs = tasks.sft_pairs(config.task, tokenizer)
+    if config.data.eval_jsonl:
+        eval_pairs = read_pairs(config.data.eval_jsonl)
+    else:
+        eval_pairs, train_pairs = train_pairs[-config.data.eval_size :], train_pairs[: -config.data.eval_size]
+    return (tokenize_pairs(train_pairs, tokenizer, config.data.max_seq_len),
+            tokenize_pairs(eval_pairs, tokenizer, config.data.max_seq_len))
+
+
+def response_nll(model, examples, pad_token_id: int, chunk_size: int) -> tuple[torch.Tensor, int]:
+    """Summed NLL of the response tokens of `examples`, and how many tokens that is."""
+    device = next(model.parameters()).device
+    length = max(len(ids) for ids, _ in examples)
+    tokens = torch.full((len(examples), length), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(examples), length - 1), dtype=torch.bool)
+    for row, (ids, prompt_length) in enumerate(examples):
+        tokens[row, : len(ids)] = torch.tensor(ids)
+        mask[row, prompt_length - 1 : len(ids) - 1] = True
+    tokens, mask = tokens.to(device), mask.to(device)
+    log_probs, _ = token_log_probs(model, tokens, chunk_size)
+    return -(log_probs * mask).sum(), int(mask.sum())
+
+
+@torch.no_grad()
+def held_out_loss(model, examples, config: SFTConfig, pad_token_id: int) -> float:
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, len(examples), config.optim.micro_batch_size):
+        nll, tokens = response_nll(model, examples[start : start + config.optim.micro_batch_size], pad_token_id,
+                                   config.optim.logprob_chunk_size)
+        total, count = total + nll.item(), count + tokens
+    return total / count
+
+
+def learning_rate(step: int, config: SFTOptimConfig) -> float:
+    """Linear warm-up, then cosine decay to min_learning_rate_ratio x learning_rate."""
+    if step < config.warmup_steps:
+        return config.learning_rate * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.num_steps - config.warmup_steps)
+    floor = config.min_learning_rate_ratio
+    return config.learning_rate * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def run_evaluation(model, tokenizer, eval_examples, config: SFTConfig, run_logger, step: int) -> dict:
+    metrics = {"eval/loss": held_out_loss(model, eval_examples, config, tokenizer.pad_token_id)}
+    if config.eval.max_questions != 0:
+        test_set = tasks.load_dataset(config.task, tokenizer, "test")
+        generator = torch.Generator(device=next(model.parameters()).device).manual_seed(config.seed)
+        task_metrics, _ = evaluate(model, tokenizer, test_set, tasks.reward_function(config.task),
+                                   config.eval.max_gen_len or config.data.max_seq_len, config.eval, generator,
+                                   progress=config.progress)
+        metrics.update({f"eval/{key}": value for key, value in task_metrics.items()})
+    run_logger.scalars(metrics, step)
+    logger.info("eval step %d: %s", step, " ".join(f"{k.removeprefix('eval/')} {v:.4g}" for k, v in metrics.items()))
+    return metrics
+
+
+def train_sft(config: SFTConfig) -> dict:
+    """Fine-tune config.model.dir into config.output_dir; returns the final evaluation's metrics."""
+    device = resolve_device(config.device)
+    seed_everything(config.seed)
+    config.run_name = config.run_name or "sft-" + datetime.now().strftime("%Y%m%d-%H%M%S")
+    model = load_model(config.model, device)
+    tokenizer = Tokenizer(config.model.dir)
+    train_examples, eval_examples = load_examples(config, tokenizer)
+    optim = config.optim
+    optimizer = MemoryEfficientAdamW(model.parameters(), lr=optim.learning_rate, betas=optim.betas, eps=optim.eps,
+                                     weight_decay=optim.weight_decay, enabled=optim.memory_efficient_adamw)
+    run_logger = RunLogger(config.logging, config.run_name, config_lib.to_dict(config))
+    logger.info("SFT %s on %s: %d train / %d held-out pairs, logs in %s", config.run_name, device,
+                len(train_examples), len(eval_examples), run_logger.directory)
+
+    metrics = run_evaluation(model, tokenizer, eval_examples, config, run_logger, 0) if config.eval.interval else {}
+    bar = tqdm(range(optim.num_steps), desc="sft", disable=not config.progress)
+    for step in bar:
+        start = time.perf_counter()
+        model.train()
+        batch = [train_examples[i] for i in step_indices(step, optim.batch_size, len(train_examples), config.seed)]
+        batch.sort(key=lambda example: len(example[0]))  # similar lengths per micro-batch: less padding
+        num_tokens = sum(len(ids) - prompt_length for ids, prompt_length in batch)
+        total_nll = 0.0
+        for start_index in range(0, len(batch), optim.micro_batch_size):
+            nll, _ = response_nll(model, batch[start_index : start_index + optim.micro_batch_size],
+                                  tokenizer.pad_token_id, optim.logprob_chunk_size)
+            (nll / num_tokens).backward()
+            total_nll += nll.item()
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, optim)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), optim.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        seconds = time.perf_counter() - start
+        run_logger.scalars({"train/loss": total_nll / num_tokens, "train/grad_norm": grad_norm.item(),
+                            "train/learning_rate": optimizer.param_groups[0]["lr"],
+                            "train/tokens_per_second": num_tokens / seconds}, step + 1)
+        bar.set_postfix(loss=f"{total_nll / num_tokens:.3f}")
+        if config.eval.interval and ((step + 1) % config.eval.interval == 0 or step + 1 == optim.num_steps):
+            metrics = run_evaluation(model, tokenizer, eval_examples, config, run_logger, step + 1)
+    path = checkpoint.save(config.output_dir, model, config.model.dir, config)
+    logger.info("saved the fine-tuned model to %s", path)
+    run_logger.close()
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
+    args = parser.parse_args(argv)
+    try:
+        config = config_lib.load(SFTConfig, args.config, args.set)
+    except config_lib.ConfigError as error:
+        raise SystemExit(f"config error: {error}") from None
+    train_sft(config)
+
+
+if __name__ == "__main__":
+    main()
