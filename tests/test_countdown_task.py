@@ -451,7 +451,7 @@ def test_sft_response_spells_out_steps_and_scores_full_reward(tmp_path):
     for nums, target, solution in zip(*(table.column(name).to_pylist() for name in ("nums", "target", "solution"))):
         response = countdown_task.sft_response({"nums": nums, "target": target, "solution": solution})
         assert countdown_task.reward_function(response, nums, target)["reward"] == pytest.approx(1.1)
-        steps = response.split("</think>")[0].split(", ")
+        steps = response.split("</think>")[0].strip().split(", ")
         assert len(steps) == len(nums) - 1 and steps[-1].endswith(f"= {target}")
     assert countdown_task.sft_response({"solution": "(3 + 5) * 2"}) == (
         " 3 + 5 = 8, 8 * 2 = 16 </think>\n<answer> (3 + 5) * 2 </answer>"
