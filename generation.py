@@ -166,9 +166,13 @@ def prefill_rows(model: Transformer, prompts, num_samples_per_prompt: int, max_s
     """Cache, next-token logits and positions for every completion row, prompt-major."""
     if not share_prompt_prefill:
         return prefill(model, [prompt for prompt in prompts for _ in range(num_samples_per_prompt)], max_seq_len)
-    kv_cache, logits, positions = prefill(model, prompts, max_seq_len)
+    # The prompts' own cache only needs their width; each row gets a copy in a full-length buffer.
+    prompt_cache, logits, positions = prefill(model, prompts, max(len(prompt) for prompt in prompts))
     rows = torch.arange(len(prompts), device=logits.device).repeat_interleave(num_samples_per_prompt)
-    return kv_cache.select(rows), logits[rows], positions[rows]
+    kv_cache = model.new_kv_cache(len(rows), max_seq_len)
+    for row_buffer, prompt_buffer in zip(kv_cache.keys + kv_cache.values, prompt_cache.keys + prompt_cache.values):
+        row_buffer[:, : prompt_cache.max_seq_len] = prompt_buffer[rows]
+    return kv_cache, logits[rows], positions[rows]
 
 
 def decode(
