@@ -14,6 +14,7 @@ from pathlib import Path
 import config as config_lib
 import countdown_task
 import tiny_model
+from tasks import TaskConfig
 from train_sft import SFTConfig, train_sft
 
 logger = logging.getLogger("bootstrap")
@@ -26,12 +27,14 @@ class BootstrapConfig:
     sft_config: str | None = None  # train_sft.py config that produces a missing model.dir
 
 
-def prepare_missing_inputs(config: BootstrapConfig, data_dir: str, model_dir: str) -> None:
-    if config.dataset_args and not Path(data_dir).exists():
-        logger.info("generating the CountDown dataset %s", data_dir)
-        countdown_task.main(["generate", "--out", data_dir, *shlex.split(config.dataset_args)])
+def prepare_missing_inputs(config: BootstrapConfig, task: TaskConfig, model_dir: str) -> None:
+    """Generate task.data_dir, then build the base model and SFT it into model_dir, where missing."""
+    if config.dataset_args and not Path(task.data_dir).exists():
+        logger.info("generating the CountDown dataset %s", task.data_dir)
+        countdown_task.main(["generate", "--out", task.data_dir, *shlex.split(config.dataset_args)])
     if config.sft_config and not Path(model_dir).exists():
         sft_config = config_lib.load(SFTConfig, config.sft_config, [f"output_dir={model_dir}"])
+        sft_config.task = task  # the warm-up learns the task GRPO will train on, from the same data
         if config.base_model_args and not Path(sft_config.model.dir).exists():
             logger.info("building the base model %s", sft_config.model.dir)
             tiny_model.main(["--out", sft_config.model.dir, *shlex.split(config.base_model_args)])

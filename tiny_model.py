@@ -22,6 +22,10 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 QWEN_SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Only digits kept apart: BPE may then merge whole phrases, so the CountDown instructions shrink to a
+# few tokens and a CPU run spends its compute on the numbers and the answer instead of the boilerplate.
+DIGITS_SPLIT_PATTERN = r"\p{N}|[^\p{N}]+"
+SPLIT_PATTERNS = {"qwen": QWEN_SPLIT_PATTERN, "digits": DIGITS_SPLIT_PATTERN}
 # ChatML, as Qwen2.5's template renders it when no tools are given.
 CHAT_TEMPLATE = (
     "{%- if messages[0]['role'] == 'system' %}"
@@ -52,11 +56,13 @@ def task_like_corpus(seed: int, num_lines: int = 3000) -> list[str]:
     from countdown_task import SYSTEM_MESSAGE, USER_TEMPLATE, RESPONSE_PREFILL
 
     rng = random.Random(seed)
-    lines = [SYSTEM_MESSAGE, RESPONSE_PREFILL]
+    lines = []
     for _ in range(num_lines):
         numbers = [rng.randint(1, 100) for _ in range(rng.randint(3, 4))]
         target = rng.randint(1, 200)
-        lines.append(USER_TEMPLATE.format(numbers=numbers, target=target))
+        user = USER_TEMPLATE.format(numbers=numbers, target=target)
+        # The chat template's text around the messages, without its special tokens.
+        lines.append(f"system\n{SYSTEM_MESSAGE}\nuser\n{user}\nassistant\n{RESPONSE_PREFILL}")
         ops = [rng.choice("+-*/") for _ in numbers[1:]]
         expression = " ".join(f"{n} {op}" for n, op in zip(numbers, ops)) + f" {numbers[-1]}"
         lines.append(f"{expression} = {target} </think>\n<answer> ({expression}) </answer>")
@@ -64,11 +70,11 @@ def task_like_corpus(seed: int, num_lines: int = 3000) -> list[str]:
     return lines
 
 
-def train_tokenizer(corpus: list[str], vocab_size: int) -> Tokenizer:
+def train_tokenizer(corpus: list[str], vocab_size: int, split: str = "qwen") -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(QWEN_SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.Split(Regex(SPLIT_PATTERNS[split]), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
@@ -97,11 +103,16 @@ def write_tokenizer(tokenizer: Tokenizer, out_dir: Path) -> None:
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def build_tiny_model(out_dir, *, seed: int = 0, tokenizer_vocab_size: int = 512, **shape_overrides) -> Path:
-    """Write a seeded random Qwen2 model plus tokenizer to out_dir and return the path."""
+def build_tiny_model(
+    out_dir, *, seed: int = 0, tokenizer_vocab_size: int = 512, tokenizer_split: str = "qwen", **shape_overrides
+) -> Path:
+    """Write a seeded random Qwen2 model plus tokenizer to out_dir and return the path.
+
+    tokenizer_split: "qwen" pre-tokenizes like Qwen2 (words, single digits); "digits" only splits digits.
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(task_like_corpus(seed), tokenizer_vocab_size)
+    tokenizer = train_tokenizer(task_like_corpus(seed), tokenizer_vocab_size, tokenizer_split)
     write_tokenizer(tokenizer, out_dir)
     shape = DEFAULT_SHAPE | shape_overrides
     # Like Qwen2.5, the embedding table is padded past the tokenizer's size to a multiple of 64.
@@ -128,6 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer-vocab-size", type=int, default=512)
+    parser.add_argument("--tokenizer-split", choices=sorted(SPLIT_PATTERNS), default="qwen")
     for name, value in DEFAULT_SHAPE.items():
         kind = (lambda s: s.lower() == "true") if isinstance(value, bool) else type(value)
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=value)

@@ -168,7 +168,7 @@ def train(config: TrainConfig, resume: str | None = None) -> dict:
     run_name = config.run_name or (checkpoint_dir.parent.name if checkpoint_dir else datetime.now().strftime("%Y%m%d-%H%M%S"))
     config.run_name = run_name
 
-    prepare_missing_inputs(config.bootstrap, config.task.data_dir, config.model.dir)
+    prepare_missing_inputs(config.bootstrap, config.task, config.model.dir)
     # A checkpoint holds the policy and a copy of the tokenizer, so it is a complete model directory.
     model_dir = checkpoint_dir or Path(config.model.dir)
     model = load_model(config.model, device, model_dir)
