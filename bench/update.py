@@ -1,0 +1,188 @@
+"""Policy-update step: chunked, checkpointed log-probs (logprobs.py) vs full vocabulary logits.
+
+One forward + backward of GRPO's token-level loss on a micro-batch (default 2 x 1280 tokens, the
+151,936-token Qwen vocabulary). A small model body keeps the CPU run short while the vocabulary
+projection, the part this measures, has its real size. Each variant runs in its own process so its
+peak memory is its own (peak RSS on CPU, torch.cuda.max_memory_allocated on CUDA); the parent then
+checks that both produced the same loss and gradients.
+
+    uv run bench/update.py
+    uv run bench/update.py --model qwen2.5-0.5b --device cuda --dtype bfloat16
+"""
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from logprobs import token_log_probs  # noqa: E402
+from qwen2_model import ModelConfig, Transformer, init_weights  # noqa: E402
+from rollout import SHAPES  # noqa: E402
+
+MODEL_SHAPES = SHAPES | {
+    "small-body": dict(
+        vocab_size=151936, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, rope_theta=1e6, tie_word_embeddings=True,
+    ),
+}
+FULL = "full logits"
+FULL_LOGITS_CHUNK_SIZE = 0  # how the parent asks a subprocess for the full-logits variant
+
+
+def full_logits_log_probs(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
+    """The straightforward computation: all [B, T, vocab] logits, in fp32, kept for backward."""
+    log_probs = model(tokens)[:, :-1].float().log_softmax(-1)
+    return log_probs.gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def run_variant(args) -> dict:
+    """Build the seeded model and batch, run one update step, save loss and gradients to args.result."""
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    model = Transformer(ModelConfig(**MODEL_SHAPES[args.model]))
+    init_weights(model, seed=args.seed)
+    model = model.to(device=device, dtype=getattr(torch, args.dtype)).train()
+    model.gradient_checkpointing = True
+    generator = torch.Generator().manual_seed(args.seed)
+    tokens = torch.randint(0, model.config.vocab_size, (args.batch_size, args.seq_len), generator=generator).to(device)
+    advantages = torch.randn(args.batch_size, 1, generator=generator).to(device)
+    # Prompt positions carry no loss, as in GRPO: the mask covers the completion part only.
+    mask = torch.zeros(args.batch_size, args.seq_len - 1, device=device)
+    mask[:, args.prompt_len - 1 :] = 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    memory_before = peak_memory_bytes(device)
+    for _ in range(2):  # time the second step: the first also pays one-off allocator and kernel set-up
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        if args.run_chunk_size == FULL_LOGITS_CHUNK_SIZE:
+            log_probs = full_logits_log_probs(model, tokens)
+        else:
+            log_probs, _ = token_log_probs(model, tokens, chunk_size=args.run_chunk_size)
+        loss = -(log_probs * advantages * mask).sum() / mask.sum()
+        loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+    result = dict(
+        seconds=seconds, tokens_per_second=tokens.numel() / seconds, loss=loss.item(),
+        peak_memory_bytes=peak_memory_bytes(device), memory_before_step_bytes=memory_before,
+    )
+    grads = {name: param.grad.float().cpu() for name, param in model.named_parameters()}
+    torch.save(dict(result=result, grads=grads), args.result)
+    return result
+
+
+def agreement(full: dict, chunked: dict) -> dict:
+    """Largest differences between two runs' loss and gradients, and the gradient scale."""
+    grad_diff = max((full["grads"][n] - chunked["grads"][n]).abs().max().item() for n in full["grads"])
+    grad_scale = max(g.abs().max().item() for g in full["grads"].values())
+    return dict(
+        loss_abs_diff=abs(full["result"]["loss"] - chunked["result"]["loss"]),
+        grad_max_abs_diff=grad_diff, grad_max_abs=grad_scale, grad_max_rel_diff=grad_diff / grad_scale,
+    )
+
+
+def measure(args) -> dict:
+    variants = {FULL: FULL_LOGITS_CHUNK_SIZE} | {f"chunk {size}": size for size in args.chunk_sizes}
+    runs = {}
+    with tempfile.TemporaryDirectory() as temp_dir:
+        for variant, chunk_size in variants.items():
+            result_path = Path(temp_dir) / f"{chunk_size}.pt"
+            command = [sys.executable, __file__, *sys_args(args), "--run-chunk-size", str(chunk_size), "--result", str(result_path)]
+            subprocess.run(command, check=True)
+            runs[variant] = torch.load(result_path)
+    results = {name: run["result"] for name, run in runs.items()}
+    full = results[FULL]
+    step_memory = lambda result: result["peak_memory_bytes"] - result["memory_before_step_bytes"]
+    for name in list(variants)[1:]:
+        results[name] |= agreement(runs[FULL], runs[name]) | dict(
+            peak_memory_vs_full=results[name]["peak_memory_bytes"] / full["peak_memory_bytes"],
+            step_memory_vs_full=step_memory(results[name]) / step_memory(full),
+            speed_vs_full=results[name]["tokens_per_second"] / full["tokens_per_second"],
+        )
+    return dict(
+        model=args.model, device=args.device, dtype=args.dtype, torch_threads=torch.get_num_threads(),
+        batch_size=args.batch_size, seq_len=args.seq_len, prompt_len=args.prompt_len,
+        vocab_size=MODEL_SHAPES[args.model]["vocab_size"],
+        memory_measure="torch.cuda.max_memory_allocated" if args.device.startswith("cuda") else "peak RSS",
+        variants=results,
+    )
+
+
+def sys_args(args) -> list[str]:
+    """The shared settings, forwarded to the per-variant subprocesses."""
+    return [
+        "--model", args.model, "--device", args.device, "--dtype", args.dtype, "--batch-size", str(args.batch_size),
+        "--seq-len", str(args.seq_len), "--prompt-len", str(args.prompt_len), "--seed", str(args.seed),
+    ]
+
+
+def print_table(report: dict) -> None:
+    gib = 1024**3
+    print(
+        f"update step, model {report['model']} on {report['device']} ({report['dtype']}), micro-batch "
+        f"{report['batch_size']} x {report['seq_len']} tokens, vocab {report['vocab_size']}; memory = "
+        f"{report['memory_measure']}, step = peak minus the memory before the step (weights, runtime)"
+    )
+    header = ["variant", "seconds", "tokens/s", "peak GiB", "step GiB", "peak vs full", "step vs full", "loss", "max |grad diff|"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("-" * (len(name) + 2) for name in header) + "|")
+    for name, result in report["variants"].items():
+        step = (result["peak_memory_bytes"] - result["memory_before_step_bytes"]) / gib
+        versus = [f"{result[key]:.2f}x" if key in result else "-" for key in ("peak_memory_vs_full", "step_memory_vs_full")]
+        grad_diff = f"{result['grad_max_abs_diff']:.1e}" if "grad_max_abs_diff" in result else "-"
+        cells = [name, f"{result['seconds']:.2f}", f"{result['tokens_per_second']:.1f}", f"{result['peak_memory_bytes'] / gib:.2f}",
+                 f"{step:.2f}", *versus, f"{result['loss']:.8f}", grad_diff]
+        print("| " + " | ".join(cells) + " |")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="small-body", choices=sorted(MODEL_SHAPES), help="random weights of this shape")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=1280, help="prompt + completion tokens per episode")
+    parser.add_argument("--prompt-len", type=int, default=256, help="leading positions without loss")
+    parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[512, 256], help="logprobs chunk sizes to compare")
+    parser.add_argument("--seed", type=int, default=0)
+    # Set by the parent process: run one variant and save its result there.
+    parser.add_argument("--run-chunk-size", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--json-out", type=Path, help="also write the JSON report here")
+    args = parser.parse_args(argv)
+    if not 1 <= args.prompt_len < args.seq_len:
+        parser.error(f"--prompt-len {args.prompt_len} must be in [1, --seq-len) so some positions carry loss")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.result:
+        return run_variant(args)
+    report = measure(args)
+    print_table(report)
+    print(json.dumps(report, indent=2))
+    if args.json_out:
+        args.json_out.write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()
