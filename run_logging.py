@@ -8,6 +8,7 @@ from pathlib import Path
 from torch.utils.tensorboard import SummaryWriter
 
 logger = logging.getLogger(__name__)
+WANDB_STEP = "step"  # the x-axis of every W&B chart
 
 
 @dataclass
@@ -33,18 +34,22 @@ class RunLogger:
             except ImportError as error:
                 raise ImportError("logging.wandb is true but wandb is not installed: run `uv sync --extra wandb`.") from error
             self.wandb_run = wandb.init(project=config.wandb_project, name=run_name, config=run_config, resume="allow")
+            # W&B drops rows logged below its own step, which only increases: the config text at step 1 would
+            # make it drop the evaluation at step 0. Plotting against our step as a logged value takes any order.
+            self.wandb_run.define_metric(WANDB_STEP)
+            self.wandb_run.define_metric("*", step_metric=WANDB_STEP)
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         for tag, value in values.items():
             self.writer.add_scalar(tag, value, step)
         if self.wandb_run is not None:
-            self.wandb_run.log(values, step=step)
+            self.wandb_run.log({**values, WANDB_STEP: step})
 
     def text(self, tag: str, text: str, step: int) -> None:
         # TensorBoard renders text as markdown/HTML; escaping keeps <think> tags visible.
         self.writer.add_text(tag, f"<pre>{html.escape(text)}</pre>", step)
         if self.wandb_run is not None:
-            self.wandb_run.log({tag: text}, step=step)
+            self.wandb_run.log({tag: text, WANDB_STEP: step})
 
     def close(self) -> None:
         self.writer.close()
