@@ -1,7 +1,48 @@
-"""torch.distributed helpers that are no-ops in a plain single-process run."""
+"""Multi-GPU and multi-node training with PyTorch's own torch.distributed, launched by torchrun.
+
+Data parallel: every rank holds the whole model, samples its share of the step's questions and
+backpropagates its episodes; `all_reduce_gradients` then sums the gradients. With `fsdp: true`,
+FSDP2 (`fully_shard`, one unit per transformer block) shards parameters, gradients and optimizer
+state over the ranks instead, and reduce-scatters gradients during backward.
+
+Every helper here is a no-op in a plain single-process run, which never creates a process group.
+"""
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from qwen2_model import Transformer
+
+# FSDP's modules (torch.distributed.fsdp, .checkpoint, .tensor) take seconds to import, so they are
+# imported inside the functions that run only under a process group: a plain run never pays for them.
+
+
+@dataclass
+class DistributedConfig:
+    # Under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP2) for models
+    # whose training state does not fit one device. Ignored in a single-process run.
+    fsdp: bool = False
+
+
+def init_from_env() -> None:
+    """Join the process group that torchrun describes in the environment; nothing in a plain run."""
+    if "WORLD_SIZE" not in os.environ or is_initialized():
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        # NCCL for GPU tensors; gloo for the CPU ones (object gathers, count sums, device: cpu runs).
+        dist.init_process_group("cpu:gloo,cuda:nccl")
+    else:
+        dist.init_process_group("gloo")
+
+
+def shutdown() -> None:
+    if is_initialized():
+        dist.destroy_process_group()
 
 
 def is_initialized() -> bool:
@@ -20,27 +61,163 @@ def is_main_process() -> bool:
     return rank() == 0
 
 
+def rank_device(device: torch.device) -> torch.device:
+    """`cuda` means this rank's own GPU (LOCAL_RANK under torchrun); `cuda:N` would put every rank on one."""
+    if device.type != "cuda" or (device.index is not None and world_size() == 1):
+        return device
+    if device.index is not None:
+        raise ValueError(f"device: {device} puts all {world_size()} ranks on one GPU; use device: auto or cuda "
+                         "(each rank then takes the GPU of its LOCAL_RANK).")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def shard_range(num_items: int) -> range:
+    """This rank's contiguous share of `num_items` (shares differ by at most one item)."""
+    return range(num_items * rank() // world_size(), num_items * (rank() + 1) // world_size())
+
+
 def global_sum(value: float) -> float:
     """Sum of a Python number over all ranks (the value itself when single-process)."""
+    return global_sums({"value": value})["value"]
+
+
+def global_sums(values: dict[str, float]) -> dict[str, float]:
+    """Sums over all ranks of a dict of numbers, in one collective."""
+    if not is_initialized():
+        return dict(values)
+    # float64 on the CPU (gloo): exact for token counts, and no device synchronisation.
+    tensor = torch.tensor([float(v) for v in values.values()], dtype=torch.float64)
+    dist.all_reduce(tensor)
+    return dict(zip(values, tensor.tolist()))
+
+
+def global_max(value: float) -> float:
     if not is_initialized():
         return value
-    tensor = torch.tensor(float(value), dtype=torch.float64, device=_device())
-    dist.all_reduce(tensor)
+    tensor = torch.tensor(float(value), dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor.item()
 
 
-def all_reduce_gradients(model: torch.nn.Module) -> None:
-    """Sum gradients over ranks.
+def barrier() -> None:
+    if is_initialized():
+        dist.barrier()
 
-    Each rank's loss is already divided by the *global* token (or sequence) count, so the sum of
-    the ranks' gradients is exactly the single-process gradient.
-    """
+
+def all_gather(value) -> list:
+    """Every rank's `value` (any picklable object), in rank order, on every rank."""
     if not is_initialized():
+        return [value]
+    gathered = [None] * world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    if not is_initialized():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def all_reduce_gradients(model: torch.nn.Module) -> None:
+    """Sum gradients over ranks (FSDP already reduce-scattered them in backward).
+
+    A sum, not DDP's mean: each rank's loss is already divided by the *global* token (or sequence)
+    count, so the ranks' gradients are the pieces of the single-process gradient and add up to it.
+    A parameter without a gradient joins with zeros so that every rank issues the same collectives.
+    """
+    if not is_initialized() or is_sharded(model):
         return
     for param in model.parameters():
-        if param.grad is not None:
-            dist.all_reduce(param.grad)
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        # One collective per tensor keeps no flat copy of the gradients; it runs once per optimizer
+        # step (after all micro-batches), which is small next to a GRPO step's rollout.
+        dist.all_reduce(param.grad)
 
 
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> float:
+    """torch's clip_grad_norm_, returning the norm as a number; under FSDP it is the norm of all shards."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return (norm.full_tensor() if is_sharded(model) else norm).item()
+
+
+def shard_model(model: Transformer, device: torch.device) -> None:
+    """FSDP2 over all ranks: one all-gather unit per transformer block, the root holding embeddings,
+    final norm and lm_head. Each block's shards move to `device` (this rank's GPU, or the CPU)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    mesh = init_device_mesh(device.type, (world_size(),))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    # logprobs.py runs hidden_states() and then lm_head.weight directly, not forward(); the root's
+    # parameters stay gathered after that forward (FSDP's default for the root) until backward is done.
+    register_fsdp_forward_method(model, "hidden_states")
+    for module in model.modules():
+        if is_sharded(module):
+            # Sum, not FSDP's default mean, for the reason in all_reduce_gradients.
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+@contextmanager
+def full_parameters(model: torch.nn.Module):
+    """Under FSDP: gather every parameter once for the whole block (generation), not per forward.
+
+    Generation runs a forward per token and ranks stop at different lengths; with the parameters held
+    whole, those forwards issue no collectives, so ranks need not run the same number of them.
+    """
+    if not is_sharded(model):
+        yield
+        return
+    units = [module for module in model.modules() if is_sharded(module)]
+    for unit in units:
+        unit.unshard()
+    model.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        for block in model.layers:
+            block.set_reshard_after_forward(True)
+        for unit in units:
+            unit.reshard()
+
+
+def savable_model(model: Transformer) -> Transformer | None:
+    """The model to write in the Hugging Face layout: itself, or under FSDP a whole CPU copy gathered
+    from the shards on rank 0 (None on other ranks). Every rank must call it under FSDP."""
+    if not is_sharded(model):
+        return model
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not is_main_process():
+        return None
+    with torch.device("meta"):
+        whole = Transformer(model.config, model.hf_config)
+    whole.load_state_dict(state, assign=True)
+    whole.tie_weights()
+    return whole
+
+
+def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """optimizer.state_dict(), or under FSDP the whole state gathered from the shards (every rank calls)."""
+    if not is_sharded(model):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """The inverse of optimizer_state_dict: under FSDP each rank keeps its shard of the whole state."""
+    if not is_sharded(model):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))

@@ -5,6 +5,8 @@
 
 Reports success rate (pass@1, and pass@k when K > 1), format rate and mean response length, and
 writes every sample to JSONL. train.py's periodic evaluation calls the same `evaluate` function.
+Under torchrun (`uv run torchrun --nproc_per_node N evaluate.py ...`) the questions are split over the
+ranks and the samples gathered.
 """
 
 import argparse
@@ -16,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 import config as config_lib
+import distributed
 import tasks
 from generation import generate
 from runtime import ModelSetup, load_model, resolve_device
@@ -44,36 +47,44 @@ def evaluate(
     generator: torch.Generator | None = None,
     progress: bool = True,
 ) -> tuple[dict[str, float], list[dict]]:
-    """Success, format and length metrics over the first `config.max_questions` items, and every sample."""
+    """Success, format and length metrics over the first `config.max_questions` items, and every sample.
+
+    Data-parallel: each rank answers its share of the questions; every rank returns all samples.
+    """
     model.eval()
     num_questions = min(len(dataset), config.max_questions or len(dataset))
+    questions = distributed.shard_range(num_questions)
     samples = []
-    for start in tqdm(range(0, num_questions, config.batch_size), desc="eval", disable=not progress, leave=False):
-        items = [dataset[i] for i in range(start, min(start + config.batch_size, num_questions))]
-        completions = generate(
-            model,
-            [item["prompt_token_ids"] for item in items],
-            num_samples_per_prompt=config.num_samples,
-            max_gen_len=max_gen_len,
-            eos_token_id=tokenizer.eos_token_id,
-            temperature=config.temperature,
-            top_p=config.top_p,
-            generator=generator,
-        )
-        for index, completion in enumerate(completions):
-            item = items[index // config.num_samples]
-            response = tokenizer.decode(completion.token_ids)
-            score = reward_for_item(response, item, tokenizer.eos_token)
-            samples.append(
-                {
-                    "question_index": start + index // config.num_samples,
-                    **{key: value for key, value in item.items() if key != "prompt_token_ids"},
-                    "response": response,
-                    "num_tokens": len(completion.token_ids),
-                    "finished": completion.finished,
-                    **score,
-                }
+    # Under FSDP, gathered once for the whole loop: ranks may run different numbers of batches.
+    with distributed.full_parameters(model):
+        for start in tqdm(range(0, len(questions), config.batch_size), desc="eval", disable=not progress, leave=False):
+            question_indices = questions[start : start + config.batch_size]
+            items = [dataset[i] for i in question_indices]
+            completions = generate(
+                model,
+                [item["prompt_token_ids"] for item in items],
+                num_samples_per_prompt=config.num_samples,
+                max_gen_len=max_gen_len,
+                eos_token_id=tokenizer.eos_token_id,
+                temperature=config.temperature,
+                top_p=config.top_p,
+                generator=generator,
             )
+            for index, completion in enumerate(completions):
+                item = items[index // config.num_samples]
+                response = tokenizer.decode(completion.token_ids)
+                score = reward_for_item(response, item, tokenizer.eos_token)
+                samples.append(
+                    {
+                        "question_index": question_indices[index // config.num_samples],
+                        **{key: value for key, value in item.items() if key != "prompt_token_ids"},
+                        "response": response,
+                        "num_tokens": len(completion.token_ids),
+                        "finished": completion.finished,
+                        **score,
+                    }
+                )
+    samples = [sample for rank_samples in distributed.all_gather(samples) for sample in rank_samples]
     return summarize(samples, config.num_samples), samples
 
 
@@ -116,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
             setattr(eval_config, field, value)
     max_gen_len = eval_config.max_gen_len or values.get("rollout", {}).get("max_gen_len", 1024)
     model_setup = config_lib.build(ModelSetup, values.get("model"), "model")
-    device = resolve_device(values.get("device", "auto"))
+    device = distributed.rank_device(resolve_device(values.get("device", "auto")))
 
     model = load_model(model_setup, device, model_dir)
     tokenizer = Tokenizer(model_dir)
@@ -125,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     metrics, samples = evaluate(
         model, tokenizer, dataset, tasks.reward_function(task_config), max_gen_len, eval_config, generator
     )
+    if not distributed.is_main_process():
+        return
     out_path = Path(args.out or model_dir / f"eval_{args.split}.jsonl")
     with open(out_path, "w") as out:
         for sample in samples:
@@ -134,4 +147,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    distributed.init_from_env()  # under torchrun; a plain run stays a single process
+    try:
+        main()
+    finally:
+        distributed.shutdown()

@@ -56,18 +56,19 @@ def rollout(
     progress: bool = False,
 ) -> list[Episode]:
     """Sample `num_answers_per_question` completions per question and score each one."""
-    completions = generate(
-        model,
-        batch.prompt_token_ids,
-        num_samples_per_prompt=num_answers_per_question,
-        max_gen_len=max_gen_len,
-        eos_token_id=tokenizer.eos_token_id,
-        temperature=temperature,
-        top_p=top_p,
-        generator=generator,
-        compile_decode=compile_decode,
-        progress=progress,
-    )
+    with distributed.full_parameters(model):
+        completions = generate(
+            model,
+            batch.prompt_token_ids,
+            num_samples_per_prompt=num_answers_per_question,
+            max_gen_len=max_gen_len,
+            eos_token_id=tokenizer.eos_token_id,
+            temperature=temperature,
+            top_p=top_p,
+            generator=generator,
+            compile_decode=compile_decode,
+            progress=progress,
+        )
     episodes = []
     for index, completion in enumerate(completions):
         question_index = index // num_answers_per_question
@@ -166,8 +167,13 @@ def update_policy(
     logprob_chunk_size: int = 512,
     progress: bool = False,
 ) -> dict[str, float]:
-    """`epochs_per_rollout` optimizer steps on these episodes; returns the update's metrics."""
-    if not episodes:
+    """`epochs_per_rollout` optimizer steps on these episodes; returns the update's metrics.
+
+    Data-parallel: `episodes` are this rank's (whole groups); losses are divided by global counts,
+    and the metrics are over all ranks' episodes.
+    """
+    # A rank whose episodes were all filtered out still joins the other ranks' gradient sum.
+    if not distributed.global_sum(len(episodes)):
         logger.warning("no episodes to train on this step (all were filtered out); skipping the update")
         return {}
     start = time.perf_counter()
@@ -176,7 +182,8 @@ def update_policy(
     weights = episode_loss_weights(episodes, config, max_gen_len)
     batches = micro_batches(episodes, micro_batch_size)
     old_log_probs = {}  # per micro-batch, from the first epoch: the policy that sampled the episodes
-    totals = defaultdict(float)
+    # Summed over ranks at the end, so every rank needs the same keys, even one without episodes.
+    totals = dict.fromkeys(["loss", "tokens", "entropy", "clipped", "ratio_sum"], 0.0)
     ratio_max = torch.zeros((), device=device)
     model.train()
     for epoch in range(config.epochs_per_rollout):
@@ -202,18 +209,21 @@ def update_policy(
             ratio_max = torch.maximum(ratio_max, (ratio.detach() * mask).max())
             bar.set_postfix(tok_per_s=f"{totals['tokens'] / (time.perf_counter() - start):.0f}")
         distributed.all_reduce_gradients(model)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        grad_norm = distributed.clip_grad_norm_(model, max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    totals["advantage_abs_sum"] = sum(abs(a) for a in advantages)
+    totals["episodes"] = len(episodes)
+    totals = distributed.global_sums(totals)
     seconds = time.perf_counter() - start
     return {
         "loss": totals["loss"],
-        "grad_norm": grad_norm.item(),
+        "grad_norm": grad_norm,
         "entropy": totals["entropy"] / max(totals["tokens"], 1),
         "clip_fraction": totals["clipped"] / max(totals["tokens"], 1),
         "ratio_mean": totals["ratio_sum"] / max(totals["tokens"], 1),
-        "ratio_max": ratio_max.item(),
-        "advantage_abs_mean": sum(abs(a) for a in advantages) / len(advantages),
+        "ratio_max": distributed.global_max(ratio_max.item()),
+        "advantage_abs_mean": totals["advantage_abs_sum"] / totals["episodes"],
         "update_seconds": seconds,
         "update_tokens_per_second": totals["tokens"] / seconds,
     }

@@ -1,6 +1,7 @@
 """GRPO training: one loop of sample -> score -> update, with evaluation, logging and checkpoints.
 
     uv run train.py [--config config.yaml] [--set section.key=value ...] [--resume CHECKPOINT_OR_RUN_DIR]
+    uv run torchrun --nproc_per_node N train.py ...   # data-parallel over N GPUs (see distributed.py)
 """
 
 import argparse
@@ -19,6 +20,7 @@ import distributed
 import tasks
 from bootstrap import BootstrapConfig, prepare_missing_inputs
 from data_types import Episode, QuestionBatch
+from distributed import DistributedConfig
 from evaluate import EvalConfig, evaluate
 from grpo import LossConfig, rollout, update_policy
 from optimizer import MemoryEfficientAdamW
@@ -75,6 +77,7 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def validate(self) -> None:
         rollout = self.rollout
@@ -94,6 +97,14 @@ class TrainConfig:
                            ("rollout.max_gen_len", rollout.max_gen_len)):
             if value < 1:
                 raise config_lib.ConfigError(f"{key} must be >= 1, got {value}")
+        if self.distributed.fsdp and self.optim.memory_efficient_adamw:
+            raise config_lib.ConfigError("distributed.fsdp already shards AdamW's state over the GPUs; "
+                                         "set optim.memory_efficient_adamw: false")
+        if self.distributed.fsdp and self.optim.skip_unfinished_episodes:
+            # FSDP gathers parameters in every forward and backward, a collective all ranks must join,
+            # but filtering leaves ranks with different numbers of micro-batches.
+            raise config_lib.ConfigError("distributed.fsdp needs the same number of episodes on every rank; "
+                                         "set optim.skip_unfinished_episodes: false")
 
     @property
     def questions_per_step(self) -> int:
@@ -151,8 +162,8 @@ def run_evaluation(model, tokenizer, test_set, reward_for_item, config: TrainCon
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(config.seed)
     metrics, samples = evaluate(model, tokenizer, test_set, reward_for_item,
                                 config.eval.max_gen_len or config.rollout.max_gen_len, config.eval, generator,
-                                progress=config.progress)
-    if run_logger:
+                                progress=config.progress and distributed.is_main_process())
+    if run_logger:  # rank 0 only
         run_logger.scalars({f"eval/{key}": value for key, value in metrics.items()}, step)
         run_logger.text("eval/sample", f"{samples[0]['prompt']}{samples[0]['response']}", step)
     logger.info("eval step %d: success %.3f format %.3f (%d questions)", step, metrics["success_rate"],
@@ -162,16 +173,21 @@ def run_evaluation(model, tokenizer, test_set, reward_for_item, config: TrainCon
 
 def train(config: TrainConfig, resume: str | None = None) -> dict:
     """Run GRPO as configured; returns the last evaluation's metrics (empty if none ran)."""
-    device = resolve_device(config.device)
+    device = distributed.rank_device(resolve_device(config.device))
     seed_everything(config.seed)
     checkpoint_dir = checkpoint.find(resume) if resume else None
     run_name = config.run_name or (checkpoint_dir.parent.name if checkpoint_dir else datetime.now().strftime("%Y%m%d-%H%M%S"))
     config.run_name = run_name
 
-    prepare_missing_inputs(config.bootstrap, config.task, config.model.dir)
+    if distributed.world_size() == 1:  # ranks would race to write the same files: bootstrap single-process
+        prepare_missing_inputs(config.bootstrap, config.task, config.model.dir)
     # A checkpoint holds the policy and a copy of the tokenizer, so it is a complete model directory.
     model_dir = checkpoint_dir or Path(config.model.dir)
-    model = load_model(config.model, device, model_dir)
+    shard = config.distributed.fsdp and distributed.is_initialized()
+    # FSDP: load on the CPU, and each block moves to the device already sharded.
+    model = load_model(config.model, torch.device("cpu") if shard else device, model_dir)
+    if shard:
+        distributed.shard_model(model, device)
     tokenizer = Tokenizer(model_dir)
     train_set = tasks.load_dataset(config.task, tokenizer, "train")
     test_set = tasks.load_dataset(config.task, tokenizer, "test")
@@ -184,13 +200,17 @@ def train(config: TrainConfig, resume: str | None = None) -> dict:
     start_step = 0
     if checkpoint_dir:
         state = checkpoint.load_trainer_state(checkpoint_dir)
-        optimizer.load_state_dict(state["optimizer"])
-        generator.set_state(state["generator"])
-        set_rng_state(state["rng"])
+        if len(state["rng_per_rank"]) != distributed.world_size():
+            raise ValueError(f"{checkpoint_dir} was written by {len(state['rng_per_rank'])} ranks; resume it with "
+                             f"as many (torchrun --nproc_per_node ...), not {distributed.world_size()}.")
+        distributed.load_optimizer_state_dict(model, optimizer, state["optimizer"])
+        generator.set_state(state["rng_per_rank"][distributed.rank()]["generator"])
+        set_rng_state(state["rng_per_rank"][distributed.rank()]["rng"])
         start_step = state["step"]
         logger.info("resumed from %s at step %d", checkpoint_dir, start_step)
 
     is_main = distributed.is_main_process()
+    progress = config.progress and is_main
     run_logger = RunLogger(config.logging, run_name, config_lib.to_dict(config), start_step) if is_main else None
     run_directory = Path(config.checkpoint.dir) / run_name
     if is_main:
@@ -213,13 +233,14 @@ def train(config: TrainConfig, resume: str | None = None) -> dict:
         model.eval()
         episodes = rollout(model, tokenizer, batch, reward_for_item, config.rollout.num_answers_per_question,
                            config.rollout.max_gen_len, config.rollout.temperature, config.rollout.top_p, generator,
-                           config.rollout.compile_decode, progress=config.progress)
+                           config.rollout.compile_decode, progress=progress)
         rollout_seconds = time.perf_counter() - rollout_start
         train_episodes = [e for e in episodes if e.is_finished] if config.optim.skip_unfinished_episodes else episodes
         update_metrics = update_policy(model, optimizer, train_episodes, config.loss, config.optim.micro_batch_size,
                                        config.optim.max_grad_norm, tokenizer.pad_token_id, config.rollout.max_gen_len,
-                                       config.optim.logprob_chunk_size, progress=config.progress)
+                                       config.optim.logprob_chunk_size, progress=progress)
 
+        episodes = [episode for rank_episodes in distributed.all_gather(episodes) for episode in rank_episodes]
         generated_tokens = sum(e.num_generated_tokens for e in episodes)
         metrics = {
             **episode_metrics(episodes, config.rollout.num_answers_per_question),
@@ -242,11 +263,16 @@ def train(config: TrainConfig, resume: str | None = None) -> dict:
         if config.eval.interval and step % config.eval.interval == 0:
             eval_metrics = run_evaluation(model, tokenizer, test_set, reward_for_item, config, run_logger, step)
         last_step = step == config.optim.num_steps
-        if is_main and ((config.checkpoint.interval and step % config.checkpoint.interval == 0) or last_step):
-            trainer_state = {"step": step, "optimizer": optimizer.state_dict(), "generator": generator.get_state(),
-                             "rng": rng_state()}
-            path = checkpoint.save(run_directory / f"step_{step:06d}", model, model_dir, config, trainer_state)
-            logger.info("saved checkpoint %s", path)
+        if (config.checkpoint.interval and step % config.checkpoint.interval == 0) or last_step:
+            # Every rank takes part (FSDP gathers the shards; each rank's sampling state is kept); rank 0 writes.
+            savable = distributed.savable_model(model)
+            trainer_state = {"step": step, "optimizer": distributed.optimizer_state_dict(model, optimizer),
+                             "rng_per_rank": distributed.all_gather({"generator": generator.get_state(),
+                                                                     "rng": rng_state()})}
+            if is_main:
+                path = checkpoint.save(run_directory / f"step_{step:06d}", savable, model_dir, config, trainer_state)
+                logger.info("saved checkpoint %s", path)
+            distributed.barrier()  # no rank goes on (and may read it) before the checkpoint is complete
     if run_logger:
         run_logger.close()
     return eval_metrics
@@ -261,7 +287,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(level=logging.INFO if distributed.is_main_process() else logging.WARNING,
+                        format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     args = parse_args(argv)
     try:
         config_path = args.config or (checkpoint.find(args.resume) / "config.yaml" if args.resume else "config.yaml")
@@ -272,4 +299,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    distributed.init_from_env()  # under torchrun; a plain run stays a single process
+    try:
+        main()
+    finally:
+        distributed.shutdown()

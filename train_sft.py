@@ -1,6 +1,7 @@
 """Supervised fine-tuning on prompt/response pairs: the warm-up stage before GRPO.
 
     uv run train_sft.py --config FILE [--set section.key=value ...]
+    uv run torchrun --nproc_per_node N train_sft.py --config FILE   # data-parallel (see distributed.py)
 
 Pairs come from a JSONL file of {"prompt", "response"} lines, or from the task's own training split
 with its reference solutions (CountDown generated with --with-solutions, GSM8K worked solutions).
@@ -22,7 +23,9 @@ from tqdm import tqdm
 
 import checkpoint
 import config as config_lib
+import distributed
 import tasks
+from distributed import DistributedConfig
 from evaluate import EvalConfig, evaluate
 from logprobs import token_log_probs
 from optimizer import MemoryEfficientAdamW
@@ -70,6 +73,7 @@ class SFTConfig:
     optim: SFTOptimConfig = field(default_factory=SFTOptimConfig)
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(interval=100, max_questions=200, max_gen_len=256))
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def validate(self) -> None:
         if self.optim.batch_size % self.optim.micro_batch_size:
@@ -77,13 +81,22 @@ class SFTConfig:
                 f"optim.batch_size ({self.optim.batch_size}) must be divisible by optim.micro_batch_size "
                 f"({self.optim.micro_batch_size})"
             )
+        if self.optim.batch_size % distributed.world_size():
+            raise config_lib.ConfigError(
+                f"optim.batch_size ({self.optim.batch_size}) must split evenly over {distributed.world_size()} ranks"
+            )
+        if self.distributed.fsdp and self.optim.memory_efficient_adamw:
+            raise config_lib.ConfigError("distributed.fsdp already shards AdamW's state over the GPUs; "
+                                         "set optim.memory_efficient_adamw: false")
 
 
 def read_pairs(path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"SFT data file '{path}' does not exist (JSONL with \"prompt\" and \"response\" keys).")
-    pairs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    # Iterate over the file's lines, not str.splitlines(): that also splits at U+2028, which GSM8K contains.
+    with path.open(encoding="utf-8") as lines:
+        pairs = [json.loads(line) for line in lines if line.strip()]
     if not pairs or any(not {"prompt", "response"} <= set(pair) for pair in pairs):
         raise ValueError(f"{path}: every line must be a JSON object with \"prompt\" and \"response\" keys.")
     return pairs
@@ -131,13 +144,18 @@ def response_nll(model, examples, pad_token_id: int, chunk_size: int) -> tuple[t
 
 @torch.no_grad()
 def held_out_loss(model, examples, config: SFTConfig, pad_token_id: int) -> float:
+    """Mean response-token NLL; each rank scores its share of the examples."""
     model.eval()
-    total, count = 0.0, 0
-    for start in range(0, len(examples), config.optim.micro_batch_size):
-        nll, tokens = response_nll(model, examples[start : start + config.optim.micro_batch_size], pad_token_id,
-                                   config.optim.logprob_chunk_size)
-        total, count = total + nll.item(), count + tokens
-    return total / count
+    examples = [examples[i] for i in distributed.shard_range(len(examples))]
+    totals = {"nll": 0.0, "tokens": 0}
+    # Under FSDP, gathered once: the ranks' shares may take different numbers of forwards.
+    with distributed.full_parameters(model):
+        for start in range(0, len(examples), config.optim.micro_batch_size):
+            nll, tokens = response_nll(model, examples[start : start + config.optim.micro_batch_size], pad_token_id,
+                                       config.optim.logprob_chunk_size)
+            totals = {"nll": totals["nll"] + nll.item(), "tokens": totals["tokens"] + tokens}
+    totals = distributed.global_sums(totals)
+    return totals["nll"] / totals["tokens"]
 
 
 def learning_rate(step: int, config: SFTOptimConfig) -> float:
@@ -156,62 +174,78 @@ def run_evaluation(model, tokenizer, eval_examples, config: SFTConfig, run_logge
         generator = torch.Generator(device=next(model.parameters()).device).manual_seed(config.seed)
         task_metrics, _ = evaluate(model, tokenizer, test_set, tasks.reward_function(config.task),
                                    config.eval.max_gen_len or config.data.max_seq_len, config.eval, generator,
-                                   progress=config.progress)
+                                   progress=config.progress and distributed.is_main_process())
         metrics.update({f"eval/{key}": value for key, value in task_metrics.items()})
-    run_logger.scalars(metrics, step)
+    if run_logger:  # rank 0 only
+        run_logger.scalars(metrics, step)
     logger.info("eval step %d: %s", step, " ".join(f"{k.removeprefix('eval/')} {v:.4g}" for k, v in metrics.items()))
     return metrics
 
 
 def train_sft(config: SFTConfig) -> dict:
     """Fine-tune config.model.dir into config.output_dir; returns the final evaluation's metrics."""
-    device = resolve_device(config.device)
+    device = distributed.rank_device(resolve_device(config.device))
     seed_everything(config.seed)
-    config.run_name = config.run_name or "sft-" + datetime.now().strftime("%Y%m%d-%H%M%S")
-    model = load_model(config.model, device)
+    # Every rank needs the same name; rank 0's clock decides it.
+    config.run_name = config.run_name or distributed.all_gather("sft-" + datetime.now().strftime("%Y%m%d-%H%M%S"))[0]
+    shard = config.distributed.fsdp and distributed.is_initialized()
+    # FSDP: load on the CPU, and each block moves to the device already sharded.
+    model = load_model(config.model, torch.device("cpu") if shard else device)
+    if shard:
+        distributed.shard_model(model, device)
     tokenizer = Tokenizer(config.model.dir)
     train_examples, eval_examples = load_examples(config, tokenizer)
     optim = config.optim
     optimizer = MemoryEfficientAdamW(model.parameters(), lr=optim.learning_rate, betas=optim.betas, eps=optim.eps,
                                      weight_decay=optim.weight_decay, enabled=optim.memory_efficient_adamw)
-    run_logger = RunLogger(config.logging, config.run_name, config_lib.to_dict(config))
+    is_main = distributed.is_main_process()
+    run_logger = RunLogger(config.logging, config.run_name, config_lib.to_dict(config)) if is_main else None
     logger.info("SFT %s on %s: %d train / %d held-out pairs, logs in %s", config.run_name, device,
-                len(train_examples), len(eval_examples), run_logger.directory)
+                len(train_examples), len(eval_examples), Path(config.logging.log_dir) / config.run_name)
 
     metrics = run_evaluation(model, tokenizer, eval_examples, config, run_logger, 0) if config.eval.interval else {}
-    bar = tqdm(range(optim.num_steps), desc="sft", disable=not config.progress)
+    bar = tqdm(range(optim.num_steps), desc="sft", disable=not (config.progress and is_main))
     for step in bar:
         start = time.perf_counter()
         model.train()
-        batch = [train_examples[i] for i in step_indices(step, optim.batch_size, len(train_examples), config.seed)]
+        indices = step_indices(step, optim.batch_size, len(train_examples), config.seed)
+        batch = [train_examples[indices[i]] for i in distributed.shard_range(optim.batch_size)]
         batch.sort(key=lambda example: len(example[0]))  # similar lengths per micro-batch: less padding
-        num_tokens = sum(len(ids) - prompt_length for ids, prompt_length in batch)
+        # Divided by the step's token count over all ranks, so the summed gradients are the single-process ones.
+        num_tokens = distributed.global_sum(sum(len(ids) - prompt_length for ids, prompt_length in batch))
         total_nll = 0.0
         for start_index in range(0, len(batch), optim.micro_batch_size):
             nll, _ = response_nll(model, batch[start_index : start_index + optim.micro_batch_size],
                                   tokenizer.pad_token_id, optim.logprob_chunk_size)
             (nll / num_tokens).backward()
             total_nll += nll.item()
+        distributed.all_reduce_gradients(model)
+        total_nll = distributed.global_sum(total_nll)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, optim)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), optim.max_grad_norm)
+        grad_norm = distributed.clip_grad_norm_(model, optim.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - start
-        run_logger.scalars({"train/loss": total_nll / num_tokens, "train/grad_norm": grad_norm.item(),
-                            "train/learning_rate": optimizer.param_groups[0]["lr"],
-                            "train/tokens_per_second": num_tokens / seconds}, step + 1)
+        if is_main:
+            run_logger.scalars({"train/loss": total_nll / num_tokens, "train/grad_norm": grad_norm,
+                                "train/learning_rate": optimizer.param_groups[0]["lr"],
+                                "train/tokens_per_second": num_tokens / seconds}, step + 1)
         bar.set_postfix(loss=f"{total_nll / num_tokens:.3f}")
         if config.eval.interval and ((step + 1) % config.eval.interval == 0 or step + 1 == optim.num_steps):
             metrics = run_evaluation(model, tokenizer, eval_examples, config, run_logger, step + 1)
-    path = checkpoint.save(config.output_dir, model, config.model.dir, config)
-    logger.info("saved the fine-tuned model to %s", path)
-    run_logger.close()
+    savable = distributed.savable_model(model)  # every rank takes part: FSDP gathers the shards
+    if is_main:
+        path = checkpoint.save(config.output_dir, savable, config.model.dir, config)
+        logger.info("saved the fine-tuned model to %s", path)
+        run_logger.close()
+    distributed.barrier()  # no rank goes on (and may read it) before the model is complete
     return metrics
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(level=logging.INFO if distributed.is_main_process() else logging.WARNING,
+                        format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
@@ -224,4 +258,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    distributed.init_from_env()  # under torchrun; a plain run stays a single process
+    try:
+        main()
+    finally:
+        distributed.shutdown()
