@@ -16,10 +16,10 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-DOWNLOAD_HINT = (
-    "Download a Qwen2.5 checkpoint first, e.g.\n"
-    "  git lfs install && git clone https://huggingface.co/Qwen/Qwen2.5-3B-Instruct"
-)
+def download_hint(model_dir: Path) -> str:
+    # A directory named like a Hub model (Qwen2.5-Math-1.5B, ...) gets that model's clone command.
+    name = model_dir.name if model_dir.name.startswith("Qwen") else "Qwen2.5-3B-Instruct"
+    return f"Download a Qwen2.5 checkpoint first, e.g.\n  git lfs install && git clone https://huggingface.co/Qwen/{name} {model_dir}"
 SUPPORTED_MODEL_TYPES = ("qwen2",)
 
 
@@ -271,11 +271,11 @@ def hf_name(name: str) -> str:
 
 def read_hf_config(model_dir: Path) -> dict:
     if not model_dir.is_dir():
-        raise FileNotFoundError(f"Model directory '{model_dir}' does not exist.\n{DOWNLOAD_HINT} {model_dir}")
+        raise FileNotFoundError(f"Model directory '{model_dir}' does not exist.\n{download_hint(model_dir)}")
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(
-            f"'{model_dir}' has no config.json, so it is not a Hugging Face model directory.\n{DOWNLOAD_HINT}"
+            f"'{model_dir}' has no config.json, so it is not a Hugging Face model directory.\n{download_hint(model_dir)}"
         )
     return json.loads(config_path.read_text())
 
@@ -289,7 +289,7 @@ def weight_files(model_dir: Path) -> list[Path]:
         files = [model_dir / "model.safetensors"]
     for file in files:
         if not file.is_file():
-            raise FileNotFoundError(f"Weight file '{file}' is missing.\n{DOWNLOAD_HINT}")
+            raise FileNotFoundError(f"Weight file '{file}' is missing.\n{download_hint(model_dir)}")
         with open(file, "rb") as handle:
             if handle.read(7) == b"version":
                 raise ValueError(

@@ -147,9 +147,6 @@ def test_sft_on_gsm8k_pairs_lowers_held_out_loss(tmp_path, tiny_model_dir, gsm8k
     assert Tokenizer(tmp_path / "sft-model").eos_token == "<|im_end|>"
 
 
-@pytest.mark.xfail(strict=True, raises=json.JSONDecodeError,
-                   reason="train_sft.read_pairs splits the file with str.splitlines, which also breaks lines at "
-                          "U+2028 inside JSON strings (GSM8K train row 2381); iterating the file's lines fixes it")
 @pytest.mark.slow
 def test_sft_data_jsonl_holds_the_pairs_the_task_gives(tmp_path, tiny_model_dir, gsm8k_data_dir):
     gsm8k_task.main(["sft-data", "--data", str(gsm8k_data_dir), "--out", str(tmp_path / "sft.jsonl")])

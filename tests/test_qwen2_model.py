@@ -109,6 +109,11 @@ def test_missing_directory_says_how_to_download(tmp_path):
         Transformer.from_pretrained(tmp_path / "nope")
 
 
+def test_download_hint_names_the_missing_hub_model(tmp_path):
+    with pytest.raises(FileNotFoundError, match="git clone https://huggingface.co/Qwen/Qwen2.5-Math-1.5B"):
+        Transformer.from_pretrained(tmp_path / "Qwen2.5-Math-1.5B")
+
+
 def test_missing_config_is_explained(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no config.json"):
