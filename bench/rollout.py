@@ -137,6 +137,8 @@ def engines(model: Transformer, model_dir: Path, args) -> dict:
 
 
 def measure(args) -> dict:
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.bfloat16 if device.type == "cuda" else torch.float32
     model = load_model(args.model, device, dtype)
@@ -194,6 +196,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
     parser.add_argument("--compile", action="store_true", help="also time the engine with compile_decode (CUDA)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None, help="default: on CUDA only")

@@ -52,6 +52,8 @@ def peak_memory_bytes(device: torch.device) -> int:
 def run_variant(args) -> dict:
     """Build the seeded model and batch, run one update step, save loss and gradients to args.result."""
     device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     model = Transformer(ModelConfig(**MODEL_SHAPES[args.model]))
     init_weights(model, seed=args.seed)
@@ -117,7 +119,7 @@ def measure(args) -> dict:
             speed_vs_full=results[name]["tokens_per_second"] / full["tokens_per_second"],
         )
     return dict(
-        model=args.model, device=args.device, dtype=args.dtype, torch_threads=torch.get_num_threads(),
+        model=args.model, device=args.device, dtype=args.dtype, torch_threads=args.threads or torch.get_num_threads(),
         batch_size=args.batch_size, seq_len=args.seq_len, prompt_len=args.prompt_len,
         vocab_size=MODEL_SHAPES[args.model]["vocab_size"],
         memory_measure="torch.cuda.max_memory_allocated" if args.device.startswith("cuda") else "peak RSS",
@@ -130,6 +132,7 @@ def sys_args(args) -> list[str]:
     return [
         "--model", args.model, "--device", args.device, "--dtype", args.dtype, "--batch-size", str(args.batch_size),
         "--seq-len", str(args.seq_len), "--prompt-len", str(args.prompt_len), "--seed", str(args.seed),
+        *(["--threads", str(args.threads)] if args.threads else []),
     ]
 
 
@@ -162,6 +165,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=256, help="leading positions without loss")
     parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[512, 256], help="logprobs chunk sizes to compare")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
     # Set by the parent process: run one variant and save its result there.
     parser.add_argument("--run-chunk-size", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
