@@ -8,7 +8,7 @@ straight to GRPO.
 
 import logging
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import config as config_lib
@@ -25,6 +25,7 @@ class BootstrapConfig:
     dataset_args: str | None = None  # `countdown_task.py generate` arguments for a missing task.data_dir
     base_model_args: str | None = None  # `tiny_model.py` arguments for a missing SFT base model
     sft_config: str | None = None  # train_sft.py config that produces a missing model.dir
+    sft_overrides: list[str] = field(default_factory=list)  # `section.key=value` changes to sft_config
 
 
 def prepare_missing_inputs(config: BootstrapConfig, task: TaskConfig, model_dir: str) -> None:
@@ -33,7 +34,7 @@ def prepare_missing_inputs(config: BootstrapConfig, task: TaskConfig, model_dir:
         logger.info("generating the CountDown dataset %s", task.data_dir)
         countdown_task.main(["generate", "--out", task.data_dir, *shlex.split(config.dataset_args)])
     if config.sft_config and not Path(model_dir).exists():
-        sft_config = config_lib.load(SFTConfig, config.sft_config, [f"output_dir={model_dir}"])
+        sft_config = config_lib.load(SFTConfig, config.sft_config, [*config.sft_overrides, f"output_dir={model_dir}"])
         sft_config.task = task  # the warm-up learns the task GRPO will train on, from the same data
         if config.base_model_args and not Path(sft_config.model.dir).exists():
             logger.info("building the base model %s", sft_config.model.dir)

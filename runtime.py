@@ -24,6 +24,13 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def set_cpu_threads(cpu_threads: int | None) -> None:
+    """Tiny models gain nothing from several threads, and oversubscribed cores slow torch down by 10x
+    or more when another program is busy, so the CPU demo runs single-threaded."""
+    if cpu_threads is not None:
+        torch.set_num_threads(cpu_threads)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)

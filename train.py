@@ -25,7 +25,8 @@ from evaluate import EvalConfig, evaluate
 from grpo import LossConfig, rollout, update_policy
 from optimizer import MemoryEfficientAdamW
 from run_logging import LoggingConfig, RunLogger
-from runtime import ModelSetup, load_model, resolve_device, rng_state, seed_everything, set_rng_state, step_indices
+from runtime import (ModelSetup, load_model, resolve_device, rng_state, seed_everything, set_cpu_threads, set_rng_state,
+                     step_indices)
 from tokenizer import Tokenizer
 
 logger = logging.getLogger("train")
@@ -67,6 +68,7 @@ class TrainConfig:
     run_name: str | None = None  # null: a timestamp
     seed: int = 1337
     device: str = "auto"  # auto, cpu, cuda, cuda:N
+    cpu_threads: int | None = None  # torch CPU threads; null: torch's default (all cores)
     progress: bool = True  # tqdm bars
     model: ModelSetup = field(default_factory=ModelSetup)
     task: tasks.TaskConfig = field(default_factory=tasks.TaskConfig)
@@ -174,6 +176,7 @@ def run_evaluation(model, tokenizer, test_set, reward_for_item, config: TrainCon
 def train(config: TrainConfig, resume: str | None = None) -> dict:
     """Run GRPO as configured; returns the last evaluation's metrics (empty if none ran)."""
     device = distributed.rank_device(resolve_device(config.device))
+    set_cpu_threads(config.cpu_threads)
     seed_everything(config.seed)
     checkpoint_dir = checkpoint.find(resume) if resume else None
     run_name = config.run_name or (checkpoint_dir.parent.name if checkpoint_dir else datetime.now().strftime("%Y%m%d-%H%M%S"))

@@ -30,7 +30,7 @@ from evaluate import EvalConfig, evaluate
 from logprobs import token_log_probs
 from optimizer import MemoryEfficientAdamW
 from run_logging import LoggingConfig, RunLogger
-from runtime import ModelSetup, load_model, resolve_device, seed_everything, step_indices
+from runtime import ModelSetup, load_model, resolve_device, seed_everything, set_cpu_threads, step_indices
 from tokenizer import Tokenizer
 
 logger = logging.getLogger("train_sft")
@@ -66,6 +66,7 @@ class SFTConfig:
     run_name: str | None = None
     seed: int = 1337
     device: str = "auto"
+    cpu_threads: int | None = None  # torch CPU threads; null: torch's default (all cores)
     progress: bool = True
     model: ModelSetup = field(default_factory=ModelSetup)
     task: tasks.TaskConfig = field(default_factory=tasks.TaskConfig)
@@ -185,6 +186,7 @@ def run_evaluation(model, tokenizer, eval_examples, config: SFTConfig, run_logge
 def train_sft(config: SFTConfig) -> dict:
     """Fine-tune config.model.dir into config.output_dir; returns the final evaluation's metrics."""
     device = distributed.rank_device(resolve_device(config.device))
+    set_cpu_threads(config.cpu_threads)
     seed_everything(config.seed)
     # Every rank needs the same name; rank 0's clock decides it.
     config.run_name = config.run_name or distributed.all_gather("sft-" + datetime.now().strftime("%Y%m%d-%H%M%S"))[0]

@@ -6,7 +6,7 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
-torch.set_num_threads(2)
+torch.set_num_threads(1)  # tiny models: one thread per pytest worker (pyproject runs two workers)
 
 from tiny_model import build_tiny_model  # noqa: E402
 
