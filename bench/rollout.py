@@ -191,8 +191,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--questions", type=int, default=4)
     parser.add_argument("--answers", type=int, default=8, help="answers per question")
     parser.add_argument("--prompt-len", type=int, default=120, help="mean prompt length (+-10%%)")
-    parser.add_argument("--min-gen-len", type=int, default=16)
-    parser.add_argument("--max-gen-len", type=int, default=128)
+    # Short by GRPO standards so the 0.5B-shaped CPU run takes minutes; gpu.sh plants 32-512.
+    parser.add_argument("--min-gen-len", type=int, default=8, help="planted lengths are uniform in [min, max]")
+    parser.add_argument("--max-gen-len", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
