@@ -11,6 +11,7 @@ Every helper here is a no-op in a plain single-process run, which never creates 
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,15 @@ def init_from_env() -> None:
 def shutdown() -> None:
     if is_initialized():
         dist.destroy_process_group()
+
+
+def run_entry_point(main: Callable[[], None]) -> None:
+    """Run an entry point's main(): in torchrun's process group if launched by torchrun, else plainly."""
+    init_from_env()
+    try:
+        main()
+    finally:
+        shutdown()
 
 
 def is_initialized() -> bool:

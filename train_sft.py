@@ -260,8 +260,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    distributed.init_from_env()  # under torchrun; a plain run stays a single process
-    try:
-        main()
-    finally:
-        distributed.shutdown()
+    distributed.run_entry_point(main)
