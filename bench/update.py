@@ -90,6 +90,11 @@ def run_variant(args) -> dict:
     return result
 
 
+def step_memory(result: dict) -> int:
+    """Memory the step itself added on top of the runtime and the weights."""
+    return result["peak_memory_bytes"] - result["memory_before_step_bytes"]
+
+
 def agreement(full: dict, chunked: dict) -> dict:
     """Largest differences between two runs' loss and gradients, and the gradient scale."""
     grad_diff = max((full["grads"][n] - chunked["grads"][n]).abs().max().item() for n in full["grads"])
@@ -111,7 +116,6 @@ def measure(args) -> dict:
             runs[variant] = torch.load(result_path)
     results = {name: run["result"] for name, run in runs.items()}
     full = results[FULL]
-    step_memory = lambda result: result["peak_memory_bytes"] - result["memory_before_step_bytes"]
     for name in list(variants)[1:]:
         results[name] |= agreement(runs[FULL], runs[name]) | dict(
             peak_memory_vs_full=results[name]["peak_memory_bytes"] / full["peak_memory_bytes"],
@@ -147,7 +151,7 @@ def print_table(report: dict) -> None:
     print("| " + " | ".join(header) + " |")
     print("|" + "|".join("-" * (len(name) + 2) for name in header) + "|")
     for name, result in report["variants"].items():
-        step = (result["peak_memory_bytes"] - result["memory_before_step_bytes"]) / gib
+        step = step_memory(result) / gib
         versus = [f"{result[key]:.2f}x" if key in result else "-" for key in ("peak_memory_vs_full", "step_memory_vs_full")]
         grad_diff = f"{result['grad_max_abs_diff']:.1e}" if "grad_max_abs_diff" in result else "-"
         cells = [name, f"{result['seconds']:.2f}", f"{result['tokens_per_second']:.1f}", f"{result['peak_memory_bytes'] / gib:.2f}",
