@@ -164,7 +164,7 @@ def update_policy(
     max_grad_norm: float,
     pad_token_id: int,
     max_gen_len: int,
-    logprob_chunk_size: int = 512,
+    logprob_chunk_size: int = 256,
     progress: bool = False,
 ) -> dict[str, float]:
     """`epochs_per_rollout` optimizer steps on these episodes; returns the update's metrics.

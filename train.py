@@ -54,7 +54,7 @@ class OptimConfig:
     max_grad_norm: float = 1.0
     skip_unfinished_episodes: bool = False  # leave out of the loss episodes that hit max_gen_len
     memory_efficient_adamw: bool = False  # keep AdamW's moments in CPU memory
-    logprob_chunk_size: int = 512  # sequence positions per lm_head chunk in the update
+    logprob_chunk_size: int = 256  # sequence positions per lm_head chunk in the update
 
 
 @dataclass

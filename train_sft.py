@@ -57,7 +57,7 @@ class SFTOptimConfig:
     eps: float = 1e-8
     max_grad_norm: float = 1.0
     memory_efficient_adamw: bool = False
-    logprob_chunk_size: int = 512
+    logprob_chunk_size: int = 256
 
 
 @dataclass
