@@ -90,8 +90,11 @@ def test_resume_equals_uninterrupted_run(tmp_path, tiny_model_dir, countdown_dir
     for (name, a), b in zip(full.named_parameters(), resumed.parameters()):
         assert torch.equal(a, b), name
     full_loss = read_scalars(tmp_path / "full" / "logs" / "tiny")["train/loss"]
-    resumed_loss = read_scalars(tmp_path / "cut" / "logs" / "tiny")["train/loss"]
-    assert resumed_loss == full_loss
+    # One events file per run: read each in the order written (TensorBoard orders them by file name, and in
+    # one process a name's counter can sort 10 before 9), the resumed run's steps after the first run's.
+    files = sorted((tmp_path / "cut" / "logs" / "tiny").glob("events.out.tfevents.*"), key=lambda f: f.stat().st_mtime)
+    resumed_loss = {step: value for file in files for step, value in read_scalars(file).get("train/loss", [])}
+    assert sorted(resumed_loss.items()) == full_loss
 
 
 def test_all_unfinished_episodes_skip_the_update(tmp_path, tiny_model_dir, countdown_dir, caplog):
