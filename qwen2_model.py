@@ -16,6 +16,8 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from logprobs import chunked_token_log_probs
+
 def download_hint(model_dir: Path) -> str:
     # A directory named like a Hub model (Qwen2.5-Math-1.5B, ...) gets that model's clone command.
     name = model_dir.name if model_dir.name.startswith("Qwen") else "Qwen2.5-3B-Instruct"
@@ -217,9 +219,21 @@ class Transformer(nn.Module):
                 x = layer(x, cos, sin)
         return self.norm(x)
 
-    def forward(self, tokens: torch.Tensor, positions=None, kv_cache: KVCache | None = None) -> torch.Tensor:
-        """Logits [batch, seq, vocab] in the model's dtype."""
-        return self.lm_head(self.hidden_states(tokens, positions, kv_cache))
+    def forward(self, tokens: torch.Tensor, positions=None, kv_cache: KVCache | None = None, *,
+                logits_at: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+                logprob_chunk_size: int = 256):
+        """Logits [batch, seq, vocab] in the model's dtype, or what a caller needs instead of all of them:
+
+        logits_at [batch]: only the logits at each row's given position, [batch, vocab] (prefill).
+        targets [batch, seq]: (log p(targets) [batch, seq], entropy [batch, seq]) in float32, computed
+        chunk by chunk without the whole logits tensor (the update; see logprobs.py).
+        """
+        hidden = self.hidden_states(tokens, positions, kv_cache)
+        if targets is not None:
+            return chunked_token_log_probs(hidden, targets, self.lm_head.weight, logprob_chunk_size)
+        if logits_at is not None:
+            hidden = hidden[torch.arange(len(hidden), device=hidden.device), logits_at]
+        return self.lm_head(hidden)
 
     def new_kv_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
         weight = self.embed_tokens.weight
