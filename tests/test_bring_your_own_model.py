@@ -63,11 +63,13 @@ def assert_prompts_follow_the_chat_template(model_dir: Path, examples, prompt_me
 @pytest.mark.slow
 def test_countdown_sft_then_grpo(tmp_path, model_dir, countdown_dir, monkeypatch):
     sft_dir, logs = tmp_path / "sft-model", tmp_path / "logs"
-    train_sft.main(["--config", str(REPO / "config_cpu_sft.yaml"), *sum((["--set", s] for s in [
-        f"model.dir={model_dir}", f"output_dir={sft_dir}", "run_name=sft", "progress=false", "device=cpu",
-        f"task.data_dir={countdown_dir}", "task.test_size=8", "data.eval_size=16", "optim.num_steps=10",
-        "optim.batch_size=8", "optim.micro_batch_size=8", "eval.interval=10", "eval.max_questions=4",
-        "eval.max_gen_len=16", f"logging.log_dir={logs}"]), [])])
+    # The shipped real-model configs, shrunk to seconds (a tiny random model also needs a large learning rate).
+    train_sft.main(["--config", str(REPO / "configs" / "countdown_sft.yaml"), *sum((["--set", s] for s in [
+        f"model.dir={model_dir}", "model.dtype=float32", f"output_dir={sft_dir}", "run_name=sft", "progress=false",
+        "device=cpu", f"task.data_dir={countdown_dir}", "task.test_size=8", "data.eval_size=16", "optim.num_steps=10",
+        "optim.batch_size=8", "optim.micro_batch_size=4", "optim.learning_rate=3e-3", "optim.warmup_steps=0",
+        "eval.interval=10", "eval.max_questions=4", "eval.batch_size=4", "eval.max_gen_len=16",
+        f"logging.log_dir={logs}"]), [])])
     held_out = scalars(logs / "sft")["eval/loss"]
     assert held_out[10] < held_out[0] - 0.5
     assert_loads_in_transformers_with_our_logits(sft_dir)
@@ -86,10 +88,11 @@ def test_countdown_sft_then_grpo(tmp_path, model_dir, countdown_dir, monkeypatch
         return {"reward": share, "reward_info": {"format_reward": 0.0, "answer_reward": float(share > 0.3)}}
 
     monkeypatch.setattr(tasks, "reward_function", lambda task_config: digit_reward)
-    train.main(["--config", str(REPO / "config_cpu.yaml"), *sum((["--set", s] for s in [
-        f"model.dir={sft_dir}", "run_name=grpo", "progress=false", "device=cpu", f"task.data_dir={countdown_dir}",
+    train.main(["--config", str(REPO / "config.yaml"), *sum((["--set", s] for s in [
+        f"model.dir={sft_dir}", "model.dtype=float32", "run_name=grpo", "progress=false", "device=cpu",
+        f"task.data_dir={countdown_dir}",
         "task.test_size=8", "rollout.episodes_per_step=8", "rollout.num_answers_per_question=4",
-        "rollout.max_gen_len=16", "optim.num_steps=2", "optim.micro_batch_size=8", "optim.learning_rate=1e-3",
+        "rollout.max_gen_len=16", "optim.num_steps=2", "optim.micro_batch_size=4", "optim.learning_rate=1e-3",
         "eval.interval=2", "eval.max_questions=4", "eval.max_gen_len=8", f"logging.log_dir={logs}",
         f"checkpoint.dir={tmp_path / 'checkpoints'}", "checkpoint.interval=2"]), [])])
     assert sorted(scalars(logs / "grpo")["train/loss"]) == [1, 2]
