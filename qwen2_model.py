@@ -75,7 +75,7 @@ def sliding_window_layers(hf_config: dict) -> list[int]:
     """Layers that transformers' Qwen2/Qwen3 run with sliding-window attention."""
     if hf_config["model_type"] == "llama" or not hf_config.get("use_sliding_window") or not hf_config.get("sliding_window"):
         return []
-    num_layers = hf_config["num_hidden_layers"]
+    num_layers = hf_config.get("num_hidden_layers", 0)
     layer_types = hf_config.get("layer_types") or [
         "sliding_attention" if i >= hf_config.get("max_window_layers", 28) else "full_attention" for i in range(num_layers)
     ]

@@ -60,6 +60,20 @@ def assert_prompts_follow_the_chat_template(model_dir: Path, examples, prompt_me
     assert ids[-1] == reference.convert_tokens_to_ids(reference.eos_token)
 
 
+def test_tiny_model_is_in_the_hub_layout_transformers_writes(tmp_path, model_dir):
+    """config.json equals what transformers 5 saves for the same model; the chat template renders the same."""
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    reference.save_pretrained(tmp_path)
+    theirs = json.loads((tmp_path / "config.json").read_text())
+    theirs.pop("transformers_version")
+    assert json.loads((model_dir / "config.json").read_text()) == theirs
+    assert_loads_in_transformers_with_our_logits(model_dir)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 12 + 7?"}]
+    expected = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(messages, add_generation_prompt=True,
+                                                                             tokenize=False)
+    assert Tokenizer(model_dir).render_chat(messages) == expected
+
+
 @pytest.mark.slow
 def test_countdown_sft_then_grpo(tmp_path, model_dir, countdown_dir, monkeypatch):
     sft_dir, logs = tmp_path / "sft-model", tmp_path / "logs"
