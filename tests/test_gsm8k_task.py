@@ -2,7 +2,10 @@
 
 import json
 import operator
+import re
+import time
 from fractions import Fraction
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -54,22 +57,43 @@ def read_jsonl(path) -> list[dict]:
 # ----------------------------------------------------------------------------- loading
 
 
-def test_jsonl_rows_match_the_raw_file(gsm8k_data_dir):
-    for split, expected_count in (("train", 7473), ("test", 1319)):  # counts from the data's README
-        rows = load_gsm8k_rows(gsm8k_data_dir, split)
+SAMPLE_ROW_COUNTS = {"train": 44, "test": 43}  # tests/fixtures/gsm8k/README.md
+FULL_ROW_COUNTS = {"train": 7473, "test": 1319}  # from the data's README
+
+
+@pytest.fixture(params=["sample", "full"])
+def gsm8k_dir(request) -> tuple[Path, dict[str, int]]:
+    """The committed sample, then the full data where it is found (skipped with the reason otherwise)."""
+    if request.param == "sample":
+        return request.getfixturevalue("gsm8k_sample_dir"), SAMPLE_ROW_COUNTS
+    return request.getfixturevalue("gsm8k_full_dir"), FULL_ROW_COUNTS
+
+
+def test_jsonl_rows_match_the_raw_file(gsm8k_dir):
+    data_dir, row_counts = gsm8k_dir
+    for split, expected_count in row_counts.items():
+        rows = load_gsm8k_rows(data_dir, split)
         assert len(rows) == expected_count
-        assert rows == read_jsonl(gsm8k_data_dir / f"{split}.jsonl")
-    assert load_gsm8k_rows(gsm8k_data_dir, "train")[0]["question"] == FIRST_TRAIN_QUESTION
+        assert rows == read_jsonl(data_dir / f"{split}.jsonl")
+    assert load_gsm8k_rows(data_dir, "train")[0]["question"] == FIRST_TRAIN_QUESTION
 
 
-def test_hub_parquet_layout_reads_the_same_rows(tmp_path, gsm8k_data_dir):
-    rows = read_jsonl(gsm8k_data_dir / "test.jsonl")[:50]
+def test_sample_rows_are_rows_of_the_full_data(gsm8k_sample_dir, gsm8k_full_dir):
+    for split in ("train", "test"):
+        full_rows = read_jsonl(gsm8k_full_dir / f"{split}.jsonl")
+        sample_rows = read_jsonl(gsm8k_sample_dir / f"{split}.jsonl")
+        assert sample_rows[:40] == full_rows[:40]
+        assert all(row in full_rows for row in sample_rows[40:])
+
+
+def test_hub_parquet_layout_reads_the_same_rows(tmp_path, gsm8k_sample_dir):
+    rows = read_jsonl(gsm8k_sample_dir / "test.jsonl")[:40]
     (tmp_path / "main").mkdir()
     table = pa.table({"question": [row["question"] for row in rows], "answer": [row["answer"] for row in rows]})
     num_shards = 10  # enough that a loader ignoring shard order would almost surely scramble the rows
     for shard in range(num_shards):
         shard_path = tmp_path / "main" / f"test-{shard:05d}-of-{num_shards:05d}.parquet"
-        pq.write_table(table.slice(shard * 5, 5), shard_path)
+        pq.write_table(table.slice(shard * 4, 4), shard_path)
     pq.write_table(table.slice(0, 1), tmp_path / "main" / "train-00000-of-00001.parquet")
     assert load_gsm8k_rows(tmp_path, "test") == rows
     assert load_gsm8k_rows(tmp_path, "train") == rows[:1]
@@ -84,8 +108,49 @@ def test_missing_or_wrong_data_is_explained(tmp_path):
     (tmp_path / "main" / "train-00000-of-00001.parquet").write_text("version https://git-lfs.github.com/spec/v1\n")
     with pytest.raises(ValueError, match="git lfs pull"):
         load_gsm8k_rows(tmp_path, "train")
-    (tmp_path / "test.jsonl").write_text(json.dumps({"question": "q", "answer": "no final answer"}) + "\n")
-    with pytest.raises(ValueError, match="test row 0"):
+
+
+GOOD_LINE = json.dumps({"question": "q", "answer": "1 + 1 = 2\n#### 2"})
+BAD_JSONL = [
+    # (file contents, where the error must point, what it must say)
+    ("", None, "test split in .* has no rows"),
+    ("\n  \n", None, "test split in .* has no rows"),
+    (f"{GOOD_LINE}\n\n{{'question': 1\n", 3, "not valid JSON"),
+    (f"{GOOD_LINE}\n[1, 2]\n", 2, "expected a JSON object"),
+    (f"{GOOD_LINE}\n\"text\"\n", 2, "expected a JSON object"),
+    (f"{GOOD_LINE}\nnull\n", 2, "expected a JSON object"),
+    (json.dumps({"question": "q", "answer": "no final answer"}), 1, "#### <answer>"),
+    (json.dumps({"question": None, "answer": "#### 2"}), 1, "#### <answer>"),
+    (json.dumps({"question": "q", "answer": 2}), 1, "#### <answer>"),
+    (f"{GOOD_LINE}\n{GOOD_LINE}\n" + json.dumps({"question": "q", "answer": "#### eighteen"}), 3,
+     "gold answer 'eighteen' after '####' is not a number"),
+    (json.dumps({"question": "q", "answer": "#### 18 or more"}), 1, "gold answer '18 or more' after '####' is not"),
+    (json.dumps({"question": "q", "answer": "#### "}), 1, "gold answer '' after '####' is not a number"),
+]
+
+
+@pytest.mark.parametrize(("contents", "line", "message"), BAD_JSONL, ids=lambda case: repr(case)[:40])
+def test_bad_jsonl_is_an_error_naming_file_and_line(tmp_path, contents, line, message):
+    path = tmp_path / "test.jsonl"
+    path.write_text(contents, encoding="utf-8")
+    where = re.escape(f"{path}:{line}: ") if line else ""
+    with pytest.raises(ValueError, match=where + ".*" + message):
+        load_gsm8k_rows(tmp_path, "test")
+
+
+def test_bad_parquet_row_is_an_error_naming_file_and_row(tmp_path):
+    (tmp_path / "main").mkdir()
+    answers = ["#### 1", "#### 2", "#### two"]
+    pq.write_table(pa.table({"question": ["q"] * 3, "answer": answers}), tmp_path / "main" / "test-00000-of-00001.parquet")
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "main" / "test-00000-of-00001.parquet") + " row 2: ")):
+        load_gsm8k_rows(tmp_path, "test")
+
+
+def test_byte_order_mark_and_non_utf8_jsonl(tmp_path):
+    (tmp_path / "test.jsonl").write_bytes(b"\xef\xbb\xbf" + GOOD_LINE.encode() + b"\n" + GOOD_LINE.encode() + b"\n")
+    assert load_gsm8k_rows(tmp_path, "test") == [json.loads(GOOD_LINE)] * 2
+    (tmp_path / "test.jsonl").write_bytes(GOOD_LINE.encode("utf-16"))
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "test.jsonl")) + " is not UTF-8 text"):
         load_gsm8k_rows(tmp_path, "test")
 
 
@@ -98,18 +163,18 @@ def test_gold_answer_and_solution_cleaning():
         extract_gold_answer("The answer is 5.")
 
 
-def test_dataset_items(tiny_model_dir, gsm8k_data_dir):
+def test_dataset_items(tiny_model_dir, gsm8k_sample_dir):
     tokenizer = Tokenizer(tiny_model_dir)
-    dataset = GSM8KDataset(gsm8k_data_dir, tokenizer, split="test")
-    assert len(dataset) == 1319
+    dataset = GSM8KDataset(gsm8k_sample_dir, tokenizer, split="test")
+    assert len(dataset) == SAMPLE_ROW_COUNTS["test"]
     item = dataset[0]
-    question = read_jsonl(gsm8k_data_dir / "test.jsonl")[0]["question"]
+    question = read_jsonl(gsm8k_sample_dir / "test.jsonl")[0]["question"]
     assert item["question"] == question and item["answer"] == "18"
     assert item["solution"] == FIRST_TEST_SOLUTION
     assert item["prompt"] == REASONING_PROMPT_HEAD + question + REASONING_PROMPT_TAIL
     assert item["prompt_ends_with_think"] is True
     assert tokenizer.decode(item["prompt_token_ids"]) == item["prompt"]
-    minimal_item = GSM8KDataset(gsm8k_data_dir, tokenizer, split="test", prompt_template="minimal")[0]
+    minimal_item = GSM8KDataset(gsm8k_sample_dir, tokenizer, split="test", prompt_template="minimal")[0]
     assert minimal_item["prompt"] == question and minimal_item["prompt_ends_with_think"] is False
 
 
@@ -143,17 +208,38 @@ EQUIVALENT = [
     ("8/4/2", "1"), ("2*3^2", "18"), ("-2^2", "-4"), ("2^3^2", "512"), ("2**10", "1024"), ("2^{-1}", "0.5"),
     ("3 \\times 6", "18"), ("3 \\cdot 6", "18"), ("36 \\div 2", "18"), ("\\left(3+3\\right)*3", "18"),
     ("\\frac{\\frac{1}{2}}{2}", "0.25"), ("--18", "18"),
+    # issue 13: what math models write
+    ("The answer is \\boxed{18}", "18"), ("The answer is $\\boxed{18}$ dollars.", "18"),
+    ("\\boxed{17} is wrong; \\boxed{18}", "18"), ("\\boxed{\\boxed{18}}", "18"), ("\\fbox{18}", "18"),
+    ("x = 18", "18"), ("x=18", "18"), ("answer: 18", "18"), ("Answer: $18", "18"), ("9 * 2 = 18 dollars", "18"),
+    ("The answer is 18", "18"), ("She makes $18 every day.", "18"), ("Janet\u2019s total is $18.", "18"),
+    ("She has 18 more apples than Bob.", "18"), ("18 fewer", "18"), ("**18**", "18"), ("**Answer:** 18", "18"),
+    ("\\frac12", "0.5"), ("\\frac 1 2", "0.5"), ("\\dfrac12", "0.5"), ("\\tfrac{1}{2}", "0.5"), ("\\frac1{2}", "0.5"),
+    ("\\frac{1}2", "0.5"), ("\\frac{10}4", "2.5"),
+    ("1 1/2", "1.5"), ("-1 1/2", "-1.5"), ("1 1/2 cups", "1.5"), ("2\\frac{3}{4}", "2.75"), ("5 - 1 1/2", "3.5"),
+    ("1 000", "1000"), ("1\u2009000", "1000"), ("1\u202f000", "1000"), ("1\u00a0000", "1000"), ("1\\,000", "1000"),
+    ("1\\ 000", "1000"), ("12 345 678", "12345678"), ("1 000.5", "1000.5"),
+    ("1e3", "1000"), ("1.5e3", "1500"), ("1.5E+3", "1500"), ("25e-2", "0.25"), ("1.8 \\times 10^{1}", "18"),
+    ("\\left(18\\right)", "18"), ("(18)", "18"), ("18 (dollars)", "18"), ("18\\%", "18"),
+    ("\\text{18 dollars}", "18"), ("18\\,\\text{kg}", "18"), ("18 \\mbox{ cm}", "18"), ("18 \\quad \\mathrm{km/h}", "18"), ("$18 dollars/hour", "18"),
+    ("18 square feet", "18"), ("18 times", "18"), ("18 pounds", "18"), ("approximately 18", "18"),
 ]
 NOT_EQUIVALENT = [
     ("19", "18"), ("180", "18"), ("1.8", "18"), ("18.0000001", "18"), ("0.333", "1/3"), ("50%", "0.5"),
     ("1,00", "100"), ("1,0000", "10000"), ("18 million", "18"), ("18 thousand", "18000"), ("eighteen", "18"),
-    ("18 or 19", "18"), ("18, 19", "18"), ("18 and a half", "18"), ("x = 18", "18"), ("The answer is 18", "18"),
-    ("3 x 6", "18"), ("1e3", "1000"), ("1 1/2", "1.5"), ("2(9)", "18"), ("\\sqrt{324}", "18"), ("18k", "18"),
-    ("", "18"), ("   ", "18"), ("\\boxed{}", "18"), ("(18", "18"), ("18)", "18"), ("\u0661\u0668", "18"),
-    ("18", "not a number"), ("18/0", "18"), ("0^-1", "0"),
+    ("18 or 19", "18"), ("18, 19", "18"), ("18 and a half", "18"), ("3 x 6", "18"), ("2(9)", "18"),
+    ("\\sqrt{324}", "18"), ("18k", "18"), ("", "18"), ("   ", "18"), ("\\boxed{}", "18"), ("(18", "18"), ("18)", "18"),
+    ("\u0661\u0668", "18"), ("18", "not a number"), ("18/0", "18"), ("0^-1", "0"),
+    # issue 13 and issue 11 item 8: words that change the value, bounds, a second number
+    ("18 squared", "18"), ("18 cubed", "18"), ("18 hundredths", "18"), ("18 grand", "18"), ("18 or more", "18"),
+    ("18 or so", "18"), ("at least 18", "18"), ("18 at most", "18"), ("more than 18", "18"), ("less than 18", "18"),
+    ("over 18", "18"), ("not 18", "18"), ("negative 18", "18"), ("minus 18", "18"), ("18 dozen", "18"),
+    ("twice 18", "18"), ("18 x", "18"), ("18 pi", "18"), ("\\boxed{18} or \\boxed{19}", "18"), ("18 or \\boxed{19}", "18"),
+    ("19 or 18", "18"), ("18 (19)", "18"), ("18 dollars and 5 cents", "18"), ("x = 18, y = 3", "18"),
+    ("18!", "18"), ("x \\approx 18", "18"), ("x \\geq 18", "18"), ("x >= 18", "18"), ("18 != 19", "19"),
+    ("\\boxed{18", "18"), ("\\frac123", "18"), ("12 34", "1234"), ("1,000 000", "1000000"), ("1 0000", "10000"),
+    ("1 3/2", "2.5"), ("18 m/s", "18"), ("18 /", "18"), ("1 1/2^2", "1.25"), ("1e99999", "18"),
 ]
-
-
 @pytest.mark.parametrize(("predicted", "gold"), EQUIVALENT)
 def test_equivalent_answers_are_accepted(predicted, gold):
     assert answers_match(predicted, gold)
@@ -239,9 +325,9 @@ def test_grader_never_raises(text):
     assert result["reward"] in (0.1, 1.1)
 
 
-def test_every_real_gold_answer_grades_against_its_variants(gsm8k_data_dir):
+def test_every_real_gold_answer_grades_against_its_variants(gsm8k_dir):
     for split in ("train", "test"):
-        for row in load_gsm8k_rows(gsm8k_data_dir, split):
+        for row in load_gsm8k_rows(gsm8k_dir[0], split):
             gold = extract_gold_answer(row["answer"])
             number = int(gold)  # every GSM8K final answer is an integer
             raw_final_line = row["answer"].rpartition("####")[2]  # as the data writes it, commas included
@@ -304,12 +390,13 @@ def test_reward_on_huge_response_is_zero():
 
 
 @pytest.mark.parametrize("template_name", ["reasoning", "minimal"])
-def test_sft_data_gets_full_reward_on_every_train_row(tmp_path, gsm8k_data_dir, template_name):
+def test_sft_data_gets_full_reward_on_every_train_row(tmp_path, gsm8k_dir, template_name):
+    (data_dir, row_counts) = gsm8k_dir
     out_path = tmp_path / "sft" / "train.jsonl"
-    gsm8k_task.main(["sft-data", "--data", str(gsm8k_data_dir), "--out", str(out_path), "--prompt-template", template_name])
+    gsm8k_task.main(["sft-data", "--data", str(data_dir), "--out", str(out_path), "--prompt-template", template_name])
     lines = read_jsonl(out_path)
-    rows = read_jsonl(gsm8k_data_dir / "train.jsonl")
-    assert len(lines) == len(rows) == 7473
+    rows = read_jsonl(data_dir / "train.jsonl")
+    assert len(lines) == len(rows) == row_counts["train"]
     template = {"reasoning": REASONING_PROMPT_HEAD + "{question}" + REASONING_PROMPT_TAIL, "minimal": "{question}"}
     for line, row in zip(lines, rows):
         head, _, tail = template[template_name].partition("{question}")
