@@ -360,7 +360,7 @@ def _number_value(token: str) -> Rational:
     value = Rational(int(whole + fraction), 10 ** len(fraction))
     if exponent and abs(int(exponent)) > MAX_DECIMAL_EXPONENT:
         raise _Unparseable
-    return value * Rational(10) ** int(exponent or 0)
+    return value * Rational(10) ** int(exponent) if exponent else value
 
 
 def _proper_fraction(tokens: list[str], position: int) -> tuple[Rational, int] | None:

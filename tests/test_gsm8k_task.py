@@ -1,8 +1,11 @@
 """GSM8K task: loaders, prompts, the answer grader (against Fraction arithmetic) and the reward."""
 
+import functools
 import json
 import operator
 import re
+import subprocess
+import sys
 import time
 from fractions import Fraction
 from pathlib import Path
@@ -14,7 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gsm8k_task
+import math_verify
+from fixtures.gsm8k.answer_corpus import FORMS, PROBES, build_corpus, read_gold_answers
 from gsm8k_task import (
+    MAX_ANSWER_CHARS,
     GSM8KDataset,
     answers_match,
     clean_solution,
@@ -281,6 +287,72 @@ def test_hostile_answers(text, value):
     assert parse_answer(text) == value
 
 
+SLOW_SHAPES = [  # each at or near the length limit, built to make a regex or the parser work hard
+    "*" * MAX_ANSWER_CHARS, "**1" * 85, "\\boxed{" * 36, "\\boxed{" * 31 + "1" + "}" * 31, "{" * 256,
+    "\\frac" * 51, "\\frac1" * 42, "\\frac{" * 42, "1 " * 128, "1 000 " * 42, "1,000" * 51, "1e" + "9" * 254,
+    "9e999" * 51, "a " * 128, "=" * 256, "x=" * 128, "(" * 128 + ")" * 128, "1/" * 127 + "1", "1 1/2 " * 42,
+    "$" * 256, "\\text{" * 42, "more " * 51, "." * 256, "-" * 255 + "1",
+]
+
+
+@pytest.mark.parametrize("text", SLOW_SHAPES, ids=lambda text: repr(text)[:24])
+def test_every_call_is_fast_on_hostile_shapes(text):
+    assert len(text) <= MAX_ANSWER_CHARS
+    response = f"x</think> <answer>{text}</answer>"
+    best = min(_seconds(reward_function, response, "18") for _ in range(3))  # best of 3: the machine is shared
+    assert best < 0.05
+
+
+def _seconds(function, *args) -> float:
+    start = time.perf_counter()
+    function(*args)
+    return time.perf_counter() - start
+
+
+# math-verify (the grader of the second design document's lineage) is the oracle: on the corpus of
+# real gold answers written as models write them, the grader agrees with it except where it must not.
+DELIBERATE_DIFFERENCES = {  # corpus form -> (our grade, why we differ from math-verify)
+    "value word: or more": (False, "'or more' makes the answer a bound; math-verify drops the words"),
+    "value word: squared": (False, "'18 squared' is 324; math-verify drops the word"),
+    "value word: hundredths": (False, "'18 hundredths' is 0.18; math-verify drops the word"),
+    "value word: grand": (False, "'18 grand' is 18,000; math-verify drops the word"),
+    "value word: million": (False, "'18 million' is 18,000,000; math-verify drops the word"),
+    "bound: more than": (False, "'more than 18' is a bound, not a value; math-verify drops the words"),
+    "two numbers, gold last": (False, "'19 or 18' hedges between two answers; math-verify takes the last number"),
+    "two boxes, last wins": (True, "the last \\boxed{} is the final answer; math-verify reads a set of both boxes"),
+    "escaped dollar sign": (True, "'\\$18' is 18 dollars; math-verify finds no number outside math delimiters"),
+    "thin-space thousands": (True, "'448 000' with a thin space is 448000; math-verify reads 0"),
+    "LaTeX thin-space thousands": (True, "'448\\,000' is 448000; math-verify reads 1*0-style products"),
+    "scientific notation": (True, "'448e3' is 448000; math-verify reads 448 and drops 'e3'"),
+    "Unicode minus": (True, "'\u22127' is -7; math-verify does not read U+2212"),
+    "undelimited \\times": (True, "'36 \\times 2' is 72; math-verify reads only the 2 outside math delimiters"),
+}
+
+
+@functools.cache
+def math_verify_parse(text: str) -> list:
+    return math_verify.parse(text)
+
+
+def math_verify_grade(answer: str, gold: str) -> bool:
+    return math_verify.verify(math_verify_parse(gold), math_verify_parse(answer))
+
+
+def test_grader_agrees_with_math_verify_on_real_gold_answers():
+    pairs = build_corpus(read_gold_answers())
+    assert len(pairs) >= 500 and {pair.form for pair in pairs} == set(FORMS) | set(PROBES)
+    disagreements = {}
+    for pair in pairs:
+        ours = answers_match(pair.answer, pair.gold)
+        assert ours == (pair.stated_value == Fraction(pair.gold)), pair  # the value fixed by hand
+        if ours != math_verify_grade(pair.answer, pair.gold):
+            disagreements.setdefault(pair.form, []).append((pair.answer, ours))
+    assert {form: [ours for _, ours in found] for form, found in disagreements.items()} == {
+        form: [ours] for form, (ours, _) in DELIBERATE_DIFFERENCES.items()
+    }
+    assert 1 - len(DELIBERATE_DIFFERENCES) / len(pairs) >= 0.99
+
+
 # Expression trees with Fraction values as the independent reference; None marks division by zero.
 leaves = st.one_of(
     st.integers(0, 10**6).map(lambda number: (Fraction(number), str(number))),
@@ -317,7 +389,7 @@ def test_parser_matches_fraction_arithmetic(expression):
     assert parse_answer(f"\\boxed{{{text}}}") == value
 
 
-@given(st.text(alphabet="0123456789.,+-*/^(){}%$\\ fracboxedtxlm", max_size=60))
+@given(st.text(alphabet="0123456789.,+-*/^(){}%$\\ fracboxedtxlmE=:\u2009", max_size=60))
 @settings(max_examples=500, deadline=None)
 def test_grader_never_raises(text):
     assert answers_match(text, "18") in (True, False)
@@ -409,3 +481,22 @@ def test_sft_data_gets_full_reward_on_every_train_row(tmp_path, gsm8k_dir, templ
     first = lines[0]["response"]
     expected_first = FIRST_TRAIN_SOLUTION + " </think> <answer> 72 </answer>"
     assert first == (expected_first if template_name == "reasoning" else "<think> " + expected_first)
+
+
+# ----------------------------------------------------------------------------- bench
+
+
+@pytest.mark.slow
+def test_grader_bench_reports_throughput_and_the_agreement_table(tmp_path):
+    json_path = tmp_path / "report.json"
+    completed = subprocess.run(
+        [sys.executable, "bench/gsm8k_grader.py", "--seconds-per-case", "0.001", "--json-out", str(json_path)],
+        capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1],
+    )
+    report = json.loads(json_path.read_text())
+    assert report["gold_answers"]["plain 1234"]["mean_reward"] == pytest.approx(1.1)
+    assert report["gold_answers"]["wrong 1235"]["mean_reward"] == pytest.approx(0.1)
+    assert report["hostile"]["correct answer"]["mean_reward"] == pytest.approx(1.1) and report["hostile"]["power tower 9^9^9^9"]["mean_reward"] == 0.1
+    disagreeing = {form for form, row in report["agreement"].items() if row["disagree"]}
+    assert disagreeing == set(DELIBERATE_DIFFERENCES)
+    assert "agreement with math-verify: " in completed.stdout and "| two boxes, last wins | 1 | 1 | 0 | 1 |" in completed.stdout
