@@ -496,7 +496,7 @@ def test_grader_bench_reports_throughput_and_the_agreement_table(tmp_path):
     report = json.loads(json_path.read_text())
     assert report["gold_answers"]["plain 1234"]["mean_reward"] == pytest.approx(1.1)
     assert report["gold_answers"]["wrong 1235"]["mean_reward"] == pytest.approx(0.1)
-    assert report["hostile"]["correct answer"]["mean_reward"] == pytest.approx(1.1) and report["hostile"]["power tower 9^9^9^9"]["mean_reward"] == 0.1
+    assert report["hostile"]["correct answer"]["mean_reward"] == pytest.approx(1.1) and report["hostile"]["power tower 9^9^9^9"]["mean_reward"] == pytest.approx(0.1)
     disagreeing = {form for form, row in report["agreement"].items() if row["disagree"]}
     assert disagreeing == set(DELIBERATE_DIFFERENCES)
     assert "agreement with math-verify: " in completed.stdout and "| two boxes, last wins | 1 | 1 | 0 | 1 |" in completed.stdout
