@@ -92,7 +92,7 @@ def _check_row(row: object, where: str) -> None:
         )
     gold = extract_gold_answer(row["answer"])
     if parse_answer(gold) is None:
-        raise ValueError(f"{where}: the gold answer {gold[:100]!r} after '####' is not a number, so no answer could match it")
+        raise ValueError(f"{where}: the gold answer {gold[:100]!r} after '####' is not a number; no answer can match it")
 
 
 def _read_parquet_rows(path: Path) -> list[dict[str, str]]:
@@ -287,7 +287,8 @@ def _plain_prose(tokens: list[str], forbidden_words: frozenset[str]) -> bool:
     depth = 0
     for index, token in enumerate(tokens):
         depth += {"(": 1, ")": -1}.get(token, 0)
-        unit_slash = token == "/" and 0 < index < len(tokens) - 1 and tokens[index - 1].isalpha() and tokens[index + 1].isalpha()
+        neighbours = tokens[index - 1 : index + 2] if index > 0 else []
+        unit_slash = token == "/" and len(neighbours) == 3 and neighbours[0].isalpha() and neighbours[2].isalpha()
         if depth < 0 or not (_is_prose(token) or token in "()%" or unit_slash) or token.lower() in forbidden_words:
             return False
     return depth == 0
@@ -372,7 +373,7 @@ def _proper_fraction(tokens: list[str], position: int) -> tuple[Rational, int] |
             INTEGER_LITERAL.fullmatch(token) if expected == "#" else token == expected
             for token, expected in zip(window, shape)
         ):
-            numerator, denominator = (int(token.replace(",", "").replace(" ", "")) for token in window if token[0].isdigit())
+            numerator, denominator = (int(re.sub("[, ]", "", token)) for token in window if token[0].isdigit())
             end = position + len(shape)
             if 0 < numerator < denominator and _peek(tokens, end) not in ("^", "**"):
                 return Rational(numerator, denominator), end

@@ -24,7 +24,9 @@ sys.path.insert(0, str(REPO_ROOT / "tests"))
 import math_verify  # noqa: E402
 from fixtures.gsm8k.answer_corpus import build_corpus  # noqa: E402
 
-from gsm8k_task import MAX_ANSWER_CHARS, answers_match, extract_gold_answer, load_gsm8k_rows, reward_function  # noqa: E402
+from gsm8k_task import (  # noqa: E402
+    MAX_ANSWER_CHARS, answers_match, extract_gold_answer, load_gsm8k_rows, reward_function,
+)
 
 END = "<|endoftext|>"
 GOLD = "18"
@@ -132,7 +134,8 @@ def print_agreement(table: dict, seconds: dict) -> None:
     print(f"\n| form | pairs | ours accept | math-verify accepts | disagree | example |\n|---|---:|---:|---:|---:|---|")
     for form, row in table.items():
         example = (row["example"] or "").replace("|", "\\|")
-        print(f"| {form} | {row['pairs']} | {row['ours_accept']} | {row['math_verify_accept']} | {row['disagree']} | {example} |")
+        counts = " | ".join(str(row[key]) for key in ("pairs", "ours_accept", "math_verify_accept", "disagree"))
+        print(f"| {form} | {counts} | {example} |")
     print(f"\nagreement with math-verify: {pairs - disagree}/{pairs} = {(pairs - disagree) / pairs:.2%}")
     print(f"grading time per pair: ours {1e6 * seconds['ours'] / pairs:.0f} us, "
           f"math-verify {1e6 * seconds['math_verify'] / pairs:.0f} us")

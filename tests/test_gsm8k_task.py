@@ -227,7 +227,8 @@ EQUIVALENT = [
     ("1\\ 000", "1000"), ("12 345 678", "12345678"), ("1 000.5", "1000.5"),
     ("1e3", "1000"), ("1.5e3", "1500"), ("1.5E+3", "1500"), ("25e-2", "0.25"), ("1.8 \\times 10^{1}", "18"),
     ("\\left(18\\right)", "18"), ("(18)", "18"), ("18 (dollars)", "18"), ("18\\%", "18"),
-    ("\\text{18 dollars}", "18"), ("18\\,\\text{kg}", "18"), ("18 \\mbox{ cm}", "18"), ("18 \\quad \\mathrm{km/h}", "18"), ("$18 dollars/hour", "18"),
+    ("\\text{18 dollars}", "18"), ("18\\,\\text{kg}", "18"), ("18 \\mbox{ cm}", "18"), ("18 \\quad \\mathrm{km/h}", "18"),
+    ("$18 dollars/hour", "18"),
     ("18 square feet", "18"), ("18 times", "18"), ("18 pounds", "18"), ("approximately 18", "18"),
 ]
 NOT_EQUIVALENT = [
@@ -240,7 +241,8 @@ NOT_EQUIVALENT = [
     ("18 squared", "18"), ("18 cubed", "18"), ("18 hundredths", "18"), ("18 grand", "18"), ("18 or more", "18"),
     ("18 or so", "18"), ("at least 18", "18"), ("18 at most", "18"), ("more than 18", "18"), ("less than 18", "18"),
     ("over 18", "18"), ("not 18", "18"), ("negative 18", "18"), ("minus 18", "18"), ("18 dozen", "18"),
-    ("twice 18", "18"), ("18 x", "18"), ("18 pi", "18"), ("\\boxed{18} or \\boxed{19}", "18"), ("18 or \\boxed{19}", "18"),
+    ("twice 18", "18"), ("18 x", "18"), ("18 pi", "18"), ("\\boxed{18} or \\boxed{19}", "18"),
+    ("18 or \\boxed{19}", "18"),
     ("19 or 18", "18"), ("18 (19)", "18"), ("18 dollars and 5 cents", "18"), ("x = 18, y = 3", "18"),
     ("18!", "18"), ("x \\approx 18", "18"), ("x \\geq 18", "18"), ("x >= 18", "18"), ("18 != 19", "19"),
     ("\\boxed{18", "18"), ("\\frac123", "18"), ("12 34", "1234"), ("1,000 000", "1000000"), ("1 0000", "10000"),
@@ -496,7 +498,9 @@ def test_grader_bench_reports_throughput_and_the_agreement_table(tmp_path):
     report = json.loads(json_path.read_text())
     assert report["gold_answers"]["plain 1234"]["mean_reward"] == pytest.approx(1.1)
     assert report["gold_answers"]["wrong 1235"]["mean_reward"] == pytest.approx(0.1)
-    assert report["hostile"]["correct answer"]["mean_reward"] == pytest.approx(1.1) and report["hostile"]["power tower 9^9^9^9"]["mean_reward"] == pytest.approx(0.1)
+    assert report["hostile"]["correct answer"]["mean_reward"] == pytest.approx(1.1)
+    assert report["hostile"]["power tower 9^9^9^9"]["mean_reward"] == pytest.approx(0.1)
     disagreeing = {form for form, row in report["agreement"].items() if row["disagree"]}
     assert disagreeing == set(DELIBERATE_DIFFERENCES)
-    assert "agreement with math-verify: " in completed.stdout and "| two boxes, last wins | 1 | 1 | 0 | 1 |" in completed.stdout
+    assert "agreement with math-verify: " in completed.stdout
+    assert "| two boxes, last wins | 1 | 1 | 0 | 1 |" in completed.stdout
