@@ -200,8 +200,10 @@ EXPONENT = r"(?:[eE][-+]?\d+)?"
 NUMBER = (  # thousands groups of exactly three, separated by commas or by spaces
     rf"(?:\d{{1,3}}(?:,\d{{3}})+|\d{{1,3}}(?: \d{{3}})+(?!\d)|\d+)(?:\.\d*)?{EXPONENT}|\.\d+{EXPONENT}"
 )
-PROSE_PUNCTUATION = frozenset(".,:;?'\"\u2019")
-ANSWER_TOKEN = re.compile(rf"\s*({NUMBER}|\*\*|[-+*/^(){{}}%]|\\frac|[A-Za-z]+|[.,:;?'\"\u2019])", re.ASCII)
+PROSE_PUNCTUATION = frozenset(".,:;?#'\"\u2019")  # '#': "#### 18", GSM8K's own answer line
+ANSWER_TOKEN = re.compile(
+    rf"\s*({NUMBER}|\*\*|[-+*/^(){{}}%]|\\frac|[A-Za-z]+|[{re.escape(''.join(PROSE_PUNCTUATION))}])", re.ASCII
+)
 INTEGER_LITERAL = re.compile(r"[\d, ]+")
 # Words that change the value of the number next to them, or say it is a bound or one of several.
 VALUE_WORDS = frozenset(
