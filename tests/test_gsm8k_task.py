@@ -144,6 +144,12 @@ def test_bad_jsonl_is_an_error_naming_file_and_line(tmp_path, contents, line, me
         load_gsm8k_rows(tmp_path, "test")
 
 
+def test_data_errors_come_before_any_model_or_tokenizer(tmp_path):
+    (tmp_path / "train.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="train split in .* has no rows"):
+        GSM8KDataset(tmp_path, tokenizer=None, split="train")  # a run can check its data before loading the model
+
+
 def test_bad_parquet_row_is_an_error_naming_file_and_row(tmp_path):
     (tmp_path / "main").mkdir()
     answers = ["#### 1", "#### 2", "#### two"]

@@ -1,4 +1,4 @@
-"""GSM8K end to end on the tiny fixture and the real GSM8K files: GRPO from configs/gsm8k.yaml, the SFT
+"""GSM8K end to end on the tiny fixture and the committed sample of real GSM8K rows: GRPO from configs/gsm8k.yaml, the SFT
 warm-up from configs/gsm8k_sft.yaml, and the Weights & Biases path (offline)."""
 
 import json
