@@ -1,5 +1,5 @@
-"""GSM8K end to end on the tiny fixture and the committed sample of real GSM8K rows: GRPO from configs/gsm8k.yaml, the SFT
-warm-up from configs/gsm8k_sft.yaml, and the Weights & Biases path (offline)."""
+"""GSM8K end to end on the tiny fixture and the committed sample of real GSM8K rows: GRPO from
+configs/gsm8k.yaml, the SFT warm-up from configs/gsm8k_sft.yaml, and the Weights & Biases path (offline)."""
 
 import json
 import struct
