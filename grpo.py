@@ -29,7 +29,8 @@ RewardForItem = Callable[[str, dict, str | None], dict]
 @dataclass
 class LossConfig:
     baseline: Literal["group_mean", "none"] = "group_mean"  # "none": REINFORCE on raw rewards
-    std_normalization: bool = True  # divide by the group's reward std (population std)
+    std_normalization: bool = True  # divide by the group's reward std
+    std_estimator: Literal["population", "sample"] = "population"  # divide by G (GRPO:Zero) or G - 1 (torch.std)
     advantage_eps: float = 1e-4  # added to the std so all-equal groups give 0, never NaN
     aggregation: Literal["token", "sequence", "constant"] = "token"
     aggregation_constant: int | None = None  # tokens per sequence for "constant"; null = max_gen_len
@@ -99,7 +100,9 @@ def compute_advantages(episodes: list[Episode], config: LossConfig) -> list[floa
             # Equal rewards can leave 1e-17 residues after subtracting their mean; they must give exactly 0.
             centered = rewards - rewards.mean() if rewards.max() > rewards.min() else torch.zeros_like(rewards)
         if config.std_normalization:
-            centered = centered / (rewards.std(correction=0) + config.advantage_eps)
+            # A one-answer group has no sample std; it gets the population std, 0, like any zero-spread group.
+            correction = 1 if config.std_estimator == "sample" and len(members) > 1 else 0
+            centered = centered / (rewards.std(correction=correction) + config.advantage_eps)
         for i, value in zip(members, centered.tolist()):
             advantages[i] = value
     return advantages
