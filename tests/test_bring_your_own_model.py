@@ -117,10 +117,10 @@ def test_countdown_sft_then_grpo(tmp_path, model_dir, countdown_dir, monkeypatch
 
 
 @pytest.fixture(scope="module")
-def gsm8k_head(gsm8k_data_dir, tmp_path_factory) -> Path:
-    """The first 40 rows of the real GSM8K training split: tokenizing all 7,473 would take most of the test."""
+def gsm8k_head(gsm8k_sample_dir, tmp_path_factory) -> Path:
+    """The first 40 rows of the committed GSM8K training sample."""
     out = tmp_path_factory.mktemp("gsm8k-head")
-    with (gsm8k_data_dir / "train.jsonl").open(encoding="utf-8") as rows:
+    with (gsm8k_sample_dir / "train.jsonl").open(encoding="utf-8") as rows:
         (out / "train.jsonl").write_text("".join(next(rows) for _ in range(40)), encoding="utf-8")
     return out
 
