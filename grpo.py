@@ -6,6 +6,7 @@ the second design document (no baseline, no std, sequence or constant length nor
 K epochs per rollout with or without PPO clipping) are switches in `LossConfig`.
 """
 
+import dataclasses
 import logging
 import time
 from collections import defaultdict
@@ -16,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 import distributed
+from config import ConfigError
 from data_types import Episode, QuestionBatch
 from generation import generate
 from logprobs import token_log_probs
@@ -33,13 +35,31 @@ class LossConfig:
     aggregation_constant: int | None = None  # tokens per sequence for "constant"; null = max_gen_len
     epochs_per_rollout: int = 1  # K optimizer steps on each rollout batch
     clip: Literal["none", "ppo"] = "none"
-    clip_range: float = 0.2
+    clip_range: float = 0.2  # the ratio is clipped to [1 - clip_range, 1 + clip_range_high]
+    # The variants that followed DeepSeek-R1 (docs/variants.md); each default leaves the loss as above.
+    clip_range_high: float | None = None  # DAPO's clip-higher: a wider upper range; null = clip_range
+    importance_sampling: Literal["token", "sequence"] = "token"  # sequence: GSPO's per-sequence ratio
+    std_scope: Literal["group", "batch"] = "group"  # whose reward std divides the advantages
+    overlong_buffer_fraction: float = 0.0  # DAPO's soft overlong penalty ramps over this last part of max_gen_len
+    overlong_penalty: float = 1.0  # the reward taken off an answer of max_gen_len tokens
+    kl_beta: float = 0.0  # weight of the k3 KL to the frozen initial policy; 0: no reference model
 
     def validate(self) -> None:
         if self.epochs_per_rollout < 1:
-            raise ValueError(f"loss.epochs_per_rollout must be >= 1, got {self.epochs_per_rollout}")
+            raise ConfigError(f"loss.epochs_per_rollout must be >= 1, got {self.epochs_per_rollout}")
         if not 0 < self.clip_range < 1:
-            raise ValueError(f"loss.clip_range must be in (0, 1), got {self.clip_range}")
+            raise ConfigError(f"loss.clip_range must be in (0, 1), got {self.clip_range}")
+        if self.clip_range_high is not None:
+            if not 0 < self.clip_range_high < 10:
+                raise ConfigError(f"loss.clip_range_high must be in (0, 10) or null, got {self.clip_range_high}")
+            if self.clip == "none":
+                raise ConfigError("loss.clip_range_high needs loss.clip: ppo (without clipping it does nothing)")
+        if not 0 <= self.overlong_buffer_fraction < 1:
+            raise ConfigError(f"loss.overlong_buffer_fraction must be in [0, 1), got {self.overlong_buffer_fraction}")
+        if self.overlong_penalty <= 0:
+            raise ConfigError(f"loss.overlong_penalty must be > 0, got {self.overlong_penalty}")
+        if self.kl_beta < 0:
+            raise ConfigError(f"loss.kl_beta must be >= 0 (0: no KL term), got {self.kl_beta}")
 
 
 def rollout(
@@ -95,6 +115,8 @@ def compute_advantages(episodes: list[Episode], config: LossConfig) -> list[floa
     for index, episode in enumerate(episodes):
         groups[episode.question_index].append(index)
     advantages = [0.0] * len(episodes)
+    if config.std_normalization and config.std_scope == "batch":
+        batch_std = torch.tensor([e.reward for e in episodes], dtype=torch.float64).std(correction=0)
     for members in groups.values():
         rewards = torch.tensor([episodes[i].reward for i in members], dtype=torch.float64)
         centered = rewards
@@ -102,7 +124,8 @@ def compute_advantages(episodes: list[Episode], config: LossConfig) -> list[floa
             # Equal rewards can leave 1e-17 residues after subtracting their mean; they must give exactly 0.
             centered = rewards - rewards.mean() if rewards.max() > rewards.min() else torch.zeros_like(rewards)
         if config.std_normalization:
-            centered = centered / (rewards.std(correction=0) + config.advantage_eps)
+            std = rewards.std(correction=0) if config.std_scope == "group" else batch_std
+            centered = centered / (std + config.advantage_eps)
         for i, value in zip(members, centered.tolist()):
             advantages[i] = value
     return advantages
@@ -124,16 +147,22 @@ def episode_loss_weights(episodes: list[Episode], config: LossConfig, max_gen_le
     return [1.0 / (num_sequences * constant)] * len(episodes)
 
 
-def surrogate_token_losses(log_probs, old_log_probs, advantages, config: LossConfig):
+def surrogate_token_losses(log_probs, old_log_probs, advantages, config: LossConfig, mask=None):
     """-ratio x advantage per token, or PPO's pessimistic clipped version; also which tokens were clipped.
 
     On-policy (old_log_probs = log_probs.detach()) the ratio is 1 and the gradient is advantage x grad log p.
+    GSPO (importance_sampling "sequence") gives every token of an answer the same ratio, the geometric
+    mean of its token ratios over `mask` (the generated positions).
     """
-    ratio = torch.exp(log_probs - old_log_probs)
+    log_ratio = log_probs - old_log_probs
+    if config.importance_sampling == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)).expand_as(log_ratio)
+    ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
     if config.clip == "none":
         return -unclipped, ratio, torch.zeros_like(ratio, dtype=torch.bool)
-    clipped = ratio.clamp(1 - config.clip_range, 1 + config.clip_range) * advantages
+    clip_range_high = config.clip_range if config.clip_range_high is None else config.clip_range_high
+    clipped = ratio.clamp(1 - config.clip_range, 1 + clip_range_high) * advantages
     return -torch.minimum(unclipped, clipped), ratio, clipped < unclipped
 
 
@@ -227,3 +256,61 @@ def update_policy(
         "update_seconds": seconds,
         "update_tokens_per_second": totals["tokens"] / seconds,
     }
+
+
+# ----------------------------------------------------------------------------- variants (docs/variants.md)
+
+
+def k3_kl(log_probs: torch.Tensor, reference_log_probs: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(policy || reference), Schulman's k3 estimator: r - log r - 1 with r = p_ref / p.
+
+    Never negative, zero where the two agree, and unbiased for the KL when tokens are sampled from the policy.
+    """
+    log_ratio = reference_log_probs - log_probs
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def overlong_penalty(num_tokens: int, max_gen_len: int, config: LossConfig) -> float:
+    """DAPO's soft overlong punishment: 0 up to the last L = fraction x max_gen_len tokens, then a
+    linear ramp that reaches config.overlong_penalty at max_gen_len."""
+    buffer = round(config.overlong_buffer_fraction * max_gen_len)
+    if buffer == 0:
+        return 0.0
+    return config.overlong_penalty * min(max(num_tokens - (max_gen_len - buffer), 0) / buffer, 1.0)
+
+
+def apply_overlong_penalty(episodes: list[Episode], max_gen_len: int, config: LossConfig) -> list[Episode]:
+    """The episodes with their length penalty taken off the reward (and kept in reward_info)."""
+    shaped = []
+    for episode in episodes:
+        penalty = overlong_penalty(episode.num_generated_tokens, max_gen_len, config)
+        shaped.append(dataclasses.replace(episode, reward=episode.reward - penalty,
+                                          reward_info={**episode.reward_info, "overlong_penalty": penalty}))
+    return shaped
+
+
+def sample_informative_groups(
+    sample_round: Callable[[int], list[Episode]], num_groups: int, max_rounds: int
+) -> tuple[list[Episode], list[Episode], int]:
+    """DAPO's dynamic sampling: drop groups whose rewards are all equal (their advantages are 0) and
+    sample more questions until `num_groups` groups are left, for at most `max_rounds` rounds.
+
+    `sample_round(r)` returns round r's scored episodes (whole groups, numbered by question_index).
+    Returns the kept groups' episodes (renumbered 0.., at most `num_groups` groups), every sampled
+    episode (for logging what the policy produced), and the number of rounds it took.
+    """
+    kept, sampled = [], []
+    rounds = 0
+    while len(kept) < num_groups and rounds < max_rounds:
+        episodes = sample_round(rounds)
+        rounds += 1
+        sampled += episodes
+        groups = defaultdict(list)
+        for episode in episodes:
+            groups[episode.question_index].append(episode)
+        kept += [group for group in groups.values() if len({e.reward for e in group}) > 1]
+    if len(kept) < num_groups:
+        logger.warning("dynamic sampling: %d of %d groups with different rewards after %d rounds; training on those",
+                       len(kept), num_groups, rounds)
+    renumbered = [dataclasses.replace(e, question_index=index) for index, group in enumerate(kept[:num_groups]) for e in group]
+    return renumbered, sampled, rounds

@@ -1,0 +1,240 @@
+"""The GRPO variants (DAPO, GSPO, Dr. GRPO, per-batch std, KL to a reference) against values computed by hand."""
+
+import logging
+import math
+
+import pytest
+import torch
+
+from config import ConfigError
+from data_types import Episode
+from grpo import (LossConfig, apply_overlong_penalty, compute_advantages, k3_kl, overlong_penalty,
+                  sample_informative_groups, surrogate_token_losses)
+
+
+def make_episode(question_index, reward, num_tokens=1, text=""):
+    return Episode(question_index, "", [1], [2] * num_tokens, text, True, reward, {"format_reward": 0.1})
+
+
+def log(values):
+    return torch.log(torch.tensor(values, dtype=torch.float64))
+
+
+# ----------------------------------------------------------------------------- every switch off
+
+
+def test_defaults_are_the_plain_grpo_formulas_bit_for_bit():
+    generator = torch.Generator().manual_seed(0)
+    log_probs, old = -torch.rand(3, 5, generator=generator), -torch.rand(3, 5, generator=generator)
+    advantages = torch.randn(3, 1, generator=generator)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    losses, ratio, clipped = surrogate_token_losses(log_probs, old, advantages, LossConfig(), mask)
+    assert torch.equal(losses, -(torch.exp(log_probs - old) * advantages)) and not clipped.any()
+    losses, _, _ = surrogate_token_losses(log_probs, old, advantages, LossConfig(clip="ppo", clip_range=0.1), mask)
+    plain_ratio = torch.exp(log_probs - old)
+    assert torch.equal(losses, -torch.minimum(plain_ratio * advantages, plain_ratio.clamp(0.9, 1.1) * advantages))
+
+    rewards = [1.1, 0.1, 0.0, 0.3, 1.0, 1.1]
+    episodes = [make_episode(i // 3, r) for i, r in enumerate(rewards)]
+    expected = []
+    for group in (rewards[:3], rewards[3:]):
+        group = torch.tensor(group, dtype=torch.float64)
+        expected += ((group - group.mean()) / (group.std(correction=0) + 1e-4)).tolist()
+    assert compute_advantages(episodes, LossConfig()) == expected  # exact, not approximate
+
+
+# ----------------------------------------------------------------------------- clip-higher (DAPO)
+
+
+def test_clip_higher_moves_only_the_upper_boundary():
+    ratios = [0.7, 0.81, 1.0, 1.19, 1.21, 1.27, 1.29]
+    log_probs, old = log(ratios)[None], torch.zeros(1, len(ratios), dtype=torch.float64)
+    positive, negative = torch.ones(1, 1, dtype=torch.float64), -torch.ones(1, 1, dtype=torch.float64)
+    symmetric = LossConfig(clip="ppo", clip_range=0.2)
+    higher = LossConfig(clip="ppo", clip_range=0.2, clip_range_high=0.28)
+
+    # A > 0: only the upper bound binds: min(r, clip(r)) caps r at 1.2 (symmetric) or 1.28 (clip-higher).
+    losses, _, clipped = surrogate_token_losses(log_probs, old, positive, symmetric)
+    assert (-losses[0]).tolist() == pytest.approx([0.7, 0.81, 1.0, 1.19, 1.2, 1.2, 1.2])
+    assert clipped[0].tolist() == [False, False, False, False, True, True, True]
+    losses, _, clipped = surrogate_token_losses(log_probs, old, positive, higher)
+    assert (-losses[0]).tolist() == pytest.approx([0.7, 0.81, 1.0, 1.19, 1.21, 1.27, 1.28])
+    assert clipped[0].tolist() == [False, False, False, False, False, False, True]
+
+    # A < 0: only the lower bound 0.8 binds, the same in both.
+    for config in (symmetric, higher):
+        losses, _, clipped = surrogate_token_losses(log_probs, old, negative, config)
+        assert losses[0].tolist() == pytest.approx([0.8, 0.81, 1.0, 1.19, 1.21, 1.27, 1.29])
+        assert clipped[0].tolist() == [True, False, False, False, False, False, False]
+
+
+def test_clipped_tokens_get_no_gradient():
+    log_probs = log([1.25, 1.29, 0.7])[None].requires_grad_()
+    old = torch.zeros(1, 3, dtype=torch.float64)
+    advantages = torch.tensor([[2.0]], dtype=torch.float64)
+    losses, _, _ = surrogate_token_losses(log_probs, old, advantages, LossConfig(clip="ppo", clip_range_high=0.28))
+    losses.sum().backward()
+    # d(-r A)/d log p = -r A where not clipped; 1.29 is above 1 + 0.28.
+    assert log_probs.grad[0].tolist() == pytest.approx([-2.5, 0.0, -1.4])
+
+
+# ----------------------------------------------------------------------------- GSPO's sequence-level ratio
+
+
+def test_sequence_ratio_is_the_geometric_mean_over_generated_tokens():
+    # Row 0: token ratios 2, 0.5, 4 -> (2 x 0.5 x 4)^(1/3) = 4^(1/3). Row 1: 1.1, 1.0 and a padded position.
+    log_probs = torch.stack([log([2.0, 0.5, 4.0]), log([1.1, 1.0, 100.0])])
+    old = torch.zeros(2, 3, dtype=torch.float64)
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    advantages = torch.tensor([[1.0], [-2.0]], dtype=torch.float64)
+    config = LossConfig(importance_sampling="sequence")
+    losses, ratio, clipped = surrogate_token_losses(log_probs, old, advantages, config, mask)
+    assert ratio[0].tolist() == pytest.approx([4 ** (1 / 3)] * 3)
+    assert ratio[1, :2].tolist() == pytest.approx([math.sqrt(1.1)] * 2)
+    assert losses[0].tolist() == pytest.approx([-(4 ** (1 / 3))] * 3)
+    assert losses[1, :2].tolist() == pytest.approx([2 * math.sqrt(1.1)] * 2)
+    assert not clipped.any()
+
+
+def test_sequence_ratio_clip_and_gradient():
+    log_probs = torch.stack([log([2.0, 0.5, 4.0]), log([1.1, 1.0, 100.0])]).requires_grad_()
+    old = torch.zeros(2, 3, dtype=torch.float64)
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    advantages = torch.tensor([[1.0], [1.0]], dtype=torch.float64)
+    config = LossConfig(importance_sampling="sequence", clip="ppo", clip_range=0.2, clip_range_high=0.28)
+    losses, _, clipped = surrogate_token_losses(log_probs, old, advantages, config, mask)
+    # Row 0: s = 1.587 > 1.28 with A > 0: every token clipped, objective 1.28, no gradient.
+    assert clipped[0].tolist() == [True, True, True] and losses[0].tolist() == pytest.approx([-1.28] * 3)
+    assert not clipped[1, :2].any()
+    # Sequence aggregation: each answer's token losses averaged, so the answer's loss is -s A.
+    per_answer = (losses * mask).sum(-1) / mask.sum(-1)
+    per_answer.sum().backward()
+    # d(-s A)/d log p_t = -s A / |y|: every token of an answer gets the same share; padding none.
+    assert log_probs.grad[0].tolist() == [0.0, 0.0, 0.0]
+    assert log_probs.grad[1].tolist() == pytest.approx([-math.sqrt(1.1) / 2, -math.sqrt(1.1) / 2, 0.0])
+
+
+# ----------------------------------------------------------------------------- reward scaling (Dr. GRPO, per batch)
+
+
+def test_advantage_scaling_per_group_per_batch_and_none():
+    rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]  # group means 1/3 and 2/3; group std sqrt(2)/3; batch std 1/2
+    episodes = [make_episode(i // 3, r) for i, r in enumerate(rewards)]
+    centered = [2 / 3, -1 / 3, -1 / 3, 1 / 3, 1 / 3, -2 / 3]
+    group = compute_advantages(episodes, LossConfig())
+    assert group == pytest.approx([c / (math.sqrt(2) / 3 + 1e-4) for c in centered], abs=1e-12)
+    batch = compute_advantages(episodes, LossConfig(std_scope="batch"))
+    assert batch == pytest.approx([c / (0.5 + 1e-4) for c in centered], abs=1e-12)
+    none = compute_advantages(episodes, LossConfig(std_normalization=False, std_scope="batch"))
+    assert none == pytest.approx(centered, abs=1e-12)
+
+
+def test_batch_std_keeps_all_equal_groups_at_zero():
+    # Batch mean 0.5, deviations 0, 0, 0.5, -0.5: batch std sqrt(0.5 / 4). The first group's rewards are equal.
+    episodes = [make_episode(i // 2, r) for i, r in enumerate([0.5, 0.5, 1.0, 0.0])]
+    std = math.sqrt(0.125) + 1e-4
+    assert compute_advantages(episodes, LossConfig(std_scope="batch")) == pytest.approx([0.0, 0.0, 0.5 / std, -0.5 / std])
+
+
+# ----------------------------------------------------------------------------- overlong reward shaping (DAPO)
+
+
+@pytest.mark.parametrize("num_tokens, penalty", [(20, 0.0), (48, 0.0), (49, 1 / 16), (56, 0.5), (63, 15 / 16), (64, 1.0)])
+def test_overlong_penalty_ramps_linearly_over_the_last_tokens(num_tokens, penalty):
+    config = LossConfig(overlong_buffer_fraction=0.25)  # L = 16 of max_gen_len 64: the ramp starts after token 48
+    assert overlong_penalty(num_tokens, 64, config) == pytest.approx(penalty)
+    half = LossConfig(overlong_buffer_fraction=0.25, overlong_penalty=0.5)
+    assert overlong_penalty(num_tokens, 64, half) == pytest.approx(penalty / 2)
+    assert overlong_penalty(num_tokens, 64, LossConfig()) == 0.0
+
+
+def test_overlong_penalty_comes_off_the_reward_and_is_recorded():
+    episodes = [make_episode(0, 1.1, num_tokens=10), make_episode(0, 1.1, num_tokens=60)]
+    shaped = apply_overlong_penalty(episodes, 64, LossConfig(overlong_buffer_fraction=0.25))
+    assert [e.reward for e in shaped] == pytest.approx([1.1, 1.1 - 0.75])
+    assert [e.reward_info for e in shaped] == [{"format_reward": 0.1, "overlong_penalty": 0.0},
+                                               {"format_reward": 0.1, "overlong_penalty": 0.75}]
+    assert episodes[1].reward == 1.1 and "overlong_penalty" not in episodes[1].reward_info  # inputs untouched
+    # The same rewards but different lengths now have different advantages.
+    assert compute_advantages(shaped, LossConfig(std_normalization=False)) == pytest.approx([0.375, -0.375])
+
+
+# ----------------------------------------------------------------------------- KL to a reference (k3)
+
+
+def test_k3_value_and_gradient_by_hand():
+    log_probs = log([0.5, 0.2, 0.3]).requires_grad_()
+    reference = log([0.25, 0.2, 0.6])
+    kl = k3_kl(log_probs, reference)
+    # r = p_ref / p = 0.5, 1, 2: k3 = r - log r - 1.
+    assert kl.tolist() == pytest.approx([0.5 + math.log(2) - 1, 0.0, 1 - math.log(2)])
+    kl.sum().backward()
+    # d k3 / d log p = 1 - r: the policy is pulled up where the reference is likelier, down where it is not.
+    assert log_probs.grad.tolist() == pytest.approx([0.5, 0.0, -1.0])
+
+
+def test_k3_averaged_over_the_policy_is_the_exact_kl():
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+    q = torch.tensor([0.25, 0.25, 0.25, 0.25], dtype=torch.float64)
+    exact = sum(pi * math.log(pi / qi) for pi, qi in zip(p.tolist(), q.tolist()))
+    assert (p * k3_kl(p.log(), q.log())).sum().item() == pytest.approx(exact, abs=1e-12)
+    assert (k3_kl(p.log(), q.log()) >= 0).all()
+
+
+# ----------------------------------------------------------------------------- dynamic sampling (DAPO)
+
+
+def scripted_rounds(rounds_of_group_rewards):
+    """A `sample_round` that plays back groups of rewards, and records which rounds were asked for."""
+    calls = []
+
+    def sample_round(round_index):
+        calls.append(round_index)
+        groups = rounds_of_group_rewards[round_index]
+        return [make_episode(q, r, text=f"round {round_index} group {q}") for q, rewards in enumerate(groups)
+                for r in rewards]
+
+    return sample_round, calls
+
+
+def test_dynamic_sampling_refills_with_informative_groups():
+    sample_round, calls = scripted_rounds([[[1, 1], [0, 1], [0, 0]], [[1, 0], [0.5, 0.5], [1, 0.1]]])
+    kept, sampled, rounds = sample_informative_groups(sample_round, num_groups=3, max_rounds=5)
+    assert calls == [0, 1] and rounds == 2 and len(sampled) == 12
+    assert [e.text for e in kept] == ["round 0 group 1"] * 2 + ["round 1 group 0"] * 2 + ["round 1 group 2"] * 2
+    assert [e.question_index for e in kept] == [0, 0, 1, 1, 2, 2]  # one group per question index again
+    assert [e.reward for e in kept] == [0, 1, 1, 0, 1, 0.1]
+
+
+def test_dynamic_sampling_stops_when_full_and_keeps_exactly_the_configured_groups():
+    sample_round, calls = scripted_rounds([[[0, 1], [1, 0], [0, 1]], [[0, 1]]])
+    kept, sampled, rounds = sample_informative_groups(sample_round, num_groups=2, max_rounds=5)
+    assert calls == [0] and rounds == 1 and len(sampled) == 6
+    assert [e.text for e in kept] == ["round 0 group 0"] * 2 + ["round 0 group 1"] * 2
+
+
+def test_dynamic_sampling_cap_trains_on_what_it_has(caplog):
+    sample_round, calls = scripted_rounds([[[0, 0], [1, 0]], [[1, 1], [0, 0]], [[0, 1], [0, 1]]])
+    with caplog.at_level(logging.WARNING):
+        kept, sampled, rounds = sample_informative_groups(sample_round, num_groups=2, max_rounds=2)
+    assert calls == [0, 1] and rounds == 2 and len(sampled) == 8
+    assert [e.text for e in kept] == ["round 0 group 1"] * 2
+    assert "1 of 2 groups" in caplog.text
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"clip": "ppo", "clip_range_high": 0.0}, "loss.clip_range_high"),
+    ({"clip": "ppo", "clip_range_high": 10.0}, "loss.clip_range_high"),
+    ({"clip_range_high": 0.28}, "loss.clip: ppo"),
+    ({"overlong_buffer_fraction": -0.1}, "loss.overlong_buffer_fraction"),
+    ({"overlong_buffer_fraction": 1.0}, "loss.overlong_buffer_fraction"),
+    ({"overlong_penalty": 0.0}, "loss.overlong_penalty"),
+    ({"kl_beta": -0.01}, "loss.kl_beta"),
+    ({"epochs_per_rollout": 0}, "loss.epochs_per_rollout"),
+])
+def test_bad_values_are_config_errors(values, message):
+    with pytest.raises(ConfigError, match=message):
+        LossConfig(**values).validate()
