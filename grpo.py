@@ -195,8 +195,11 @@ def update_policy(
     max_gen_len: int,
     logprob_chunk_size: int = 256,
     progress: bool = False,
+    reference_model=None,
 ) -> dict[str, float]:
     """`epochs_per_rollout` optimizer steps on these episodes; returns the update's metrics.
+
+    With config.kl_beta > 0, `reference_model` (the frozen initial policy) adds beta x k3 KL per token.
 
     Data-parallel: `episodes` are this rank's (whole groups); losses are divided by global counts,
     and the metrics are over all ranks' episodes.
@@ -205,14 +208,17 @@ def update_policy(
     if not distributed.global_sum(len(episodes)):
         logger.warning("no episodes to train on this step (all were filtered out); skipping the update")
         return {}
+    if config.kl_beta and reference_model is None:
+        raise ValueError("loss.kl_beta > 0 needs the frozen reference model (reference_model=...)")
     start = time.perf_counter()
     device = next(model.parameters()).device
     advantages = compute_advantages(episodes, config)
     weights = episode_loss_weights(episodes, config, max_gen_len)
     batches = micro_batches(episodes, micro_batch_size)
     old_log_probs = {}  # per micro-batch, from the first epoch: the policy that sampled the episodes
+    reference_log_probs = {}  # per micro-batch, from the frozen reference (kl_beta > 0 only)
     # Summed over ranks at the end, so every rank needs the same keys, even one without episodes.
-    totals = dict.fromkeys(["loss", "tokens", "entropy", "clipped", "ratio_sum"], 0.0)
+    totals = dict.fromkeys(["loss", "tokens", "entropy", "clipped", "ratio_sum", "kl_sum"], 0.0)
     ratio_max = torch.zeros((), device=device)
     model.train()
     for epoch in range(config.epochs_per_rollout):
@@ -223,11 +229,21 @@ def update_policy(
             log_probs, entropy = token_log_probs(model, tokens, logprob_chunk_size)
             if epoch == 0:
                 old_log_probs[batch_number] = log_probs.detach()
+                if config.kl_beta:
+                    with torch.no_grad():
+                        reference = token_log_probs(reference_model, tokens, logprob_chunk_size)[0]
+                    # Prompt and padding positions get the policy's own value (KL 0), so a far-off
+                    # reference there cannot overflow exp() into inf x 0 = NaN.
+                    reference_log_probs[batch_number] = torch.where(mask, reference, log_probs.detach())
             per_token_advantage = torch.tensor([advantages[i] for i in indices], device=device)[:, None]
             per_token_weight = torch.tensor([weights[i] for i in indices], device=device)[:, None] * mask
             token_losses, ratio, clipped = surrogate_token_losses(
-                log_probs, old_log_probs[batch_number], per_token_advantage, config
+                log_probs, old_log_probs[batch_number], per_token_advantage, config, mask
             )
+            if config.kl_beta:
+                kl = k3_kl(log_probs, reference_log_probs[batch_number])
+                token_losses = token_losses + config.kl_beta * kl
+                totals["kl_sum"] += (kl.detach() * mask).sum().item()
             loss = (token_losses * per_token_weight).sum()
             loss.backward()
             totals["loss"] += loss.item() / config.epochs_per_rollout
@@ -245,7 +261,9 @@ def update_policy(
     totals["episodes"] = len(episodes)
     totals = distributed.global_sums(totals)
     seconds = time.perf_counter() - start
+    kl_metrics = {"kl": totals["kl_sum"] / max(totals["tokens"], 1)} if config.kl_beta else {}
     return {
+        **kl_metrics,
         "loss": totals["loss"],
         "grad_norm": grad_norm,
         "entropy": totals["entropy"] / max(totals["tokens"], 1),

@@ -22,7 +22,7 @@ from bootstrap import BootstrapConfig, prepare_missing_inputs
 from data_types import Episode, QuestionBatch
 from distributed import DistributedConfig
 from evaluate import EvalConfig, evaluate
-from grpo import LossConfig, rollout, update_policy
+from grpo import LossConfig, apply_overlong_penalty, rollout, sample_informative_groups, update_policy
 from optimizer import MemoryEfficientAdamW
 from run_logging import LoggingConfig, RunLogger
 from runtime import (ModelSetup, load_model, resolve_device, rng_state, seed_everything, set_cpu_threads, set_rng_state,
@@ -41,6 +41,8 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     compile_decode: bool = False  # CUDA only: capture the decode step with torch.compile
+    dynamic_sampling: bool = False  # DAPO: replace groups whose rewards are all equal with new questions
+    dynamic_sampling_max_rounds: int = 3  # rollout rounds per step at most; then train on the groups found
 
 
 @dataclass
@@ -96,7 +98,8 @@ class TrainConfig:
                 f"the {questions} questions per step must split evenly over {distributed.world_size()} ranks"
             )
         for key, value in (("optim.num_steps", self.optim.num_steps), ("optim.micro_batch_size", self.optim.micro_batch_size),
-                           ("rollout.max_gen_len", rollout.max_gen_len)):
+                           ("rollout.max_gen_len", rollout.max_gen_len),
+                           ("rollout.dynamic_sampling_max_rounds", rollout.dynamic_sampling_max_rounds)):
             if value < 1:
                 raise config_lib.ConfigError(f"{key} must be >= 1, got {value}")
         if self.distributed.fsdp and self.optim.memory_efficient_adamw:
@@ -107,6 +110,11 @@ class TrainConfig:
             # but filtering leaves ranks with different numbers of micro-batches.
             raise config_lib.ConfigError("distributed.fsdp needs the same number of episodes on every rank; "
                                          "set optim.skip_unfinished_episodes: false")
+        if self.distributed.fsdp and rollout.dynamic_sampling:  # rounds and kept groups differ between ranks
+            raise config_lib.ConfigError("distributed.fsdp needs the same rollouts on every rank; "
+                                         "set rollout.dynamic_sampling: false")
+        if self.distributed.fsdp and self.loss.kl_beta:
+            raise config_lib.ConfigError("loss.kl_beta > 0 (a reference model) is not supported with distributed.fsdp yet")
 
     @property
     def questions_per_step(self) -> int:
@@ -191,6 +199,9 @@ def train(config: TrainConfig, resume: str | None = None) -> dict:
     model = load_model(config.model, torch.device("cpu") if shard else device, model_dir)
     if shard:
         distributed.shard_model(model, device)
+    reference_model = None
+    if config.loss.kl_beta:  # the KL anchor: the initial policy (model.dir, also on resume), frozen, same dtype
+        reference_model = load_model(config.model, device).requires_grad_(False).eval()
     tokenizer = Tokenizer(model_dir)
     train_set = tasks.load_dataset(config.task, tokenizer, "train")
     test_set = tasks.load_dataset(config.task, tokenizer, "test")
@@ -226,28 +237,50 @@ def train(config: TrainConfig, resume: str | None = None) -> dict:
     eval_metrics = {}
     if config.eval.interval and start_step == 0:
         eval_metrics = run_evaluation(model, tokenizer, test_set, reward_for_item, config, run_logger, 0)
+    questions = config.questions_per_step // distributed.world_size()
     for step in range(start_step + 1, config.optim.num_steps + 1):
-        questions = config.questions_per_step // distributed.world_size()
-        indices = step_indices(step - 1, config.questions_per_step, len(train_set), config.seed)
-        batch = make_batch(train_set, indices[distributed.rank() * questions : (distributed.rank() + 1) * questions],
-                           config.rollout.max_prompt_len)
+        def sample_round(round_index: int) -> list[Episode]:
+            # Round 0 asks the step's questions; dynamic sampling's extra rounds draw from a second shuffle
+            # of the training set, so each round's questions are a fixed function of (step, round): resumable.
+            if round_index == 0:
+                indices = step_indices(step - 1, config.questions_per_step, len(train_set), config.seed)
+            else:
+                extra_round = (step - 1) * (config.rollout.dynamic_sampling_max_rounds - 1) + round_index - 1
+                indices = step_indices(extra_round, config.questions_per_step, len(train_set), config.seed + 1)
+            batch = make_batch(train_set, indices[distributed.rank() * questions : (distributed.rank() + 1) * questions],
+                               config.rollout.max_prompt_len)
+            return rollout(model, tokenizer, batch, reward_for_item, config.rollout.num_answers_per_question,
+                           config.rollout.max_gen_len, config.rollout.temperature, config.rollout.top_p, generator,
+                           config.rollout.compile_decode, progress=progress)
 
         rollout_start = time.perf_counter()
         model.eval()
-        episodes = rollout(model, tokenizer, batch, reward_for_item, config.rollout.num_answers_per_question,
-                           config.rollout.max_gen_len, config.rollout.temperature, config.rollout.top_p, generator,
-                           config.rollout.compile_decode, progress=progress)
+        sampling_metrics = {}
+        if config.rollout.dynamic_sampling:
+            train_episodes, episodes, rounds = sample_informative_groups(sample_round, questions,
+                                                                         config.rollout.dynamic_sampling_max_rounds)
+            sampling_metrics = {"train/dynamic_sampling_rounds": distributed.global_max(rounds),
+                                "train/questions_sampled": distributed.global_sum(len(episodes))
+                                / config.rollout.num_answers_per_question}
+        else:
+            episodes = train_episodes = sample_round(0)
         rollout_seconds = time.perf_counter() - rollout_start
-        train_episodes = [e for e in episodes if e.is_finished] if config.optim.skip_unfinished_episodes else episodes
+        if config.loss.overlong_buffer_fraction:  # shaped for the advantages; the logged rewards stay the task's
+            train_episodes = apply_overlong_penalty(train_episodes, config.rollout.max_gen_len, config.loss)
+            sampling_metrics["reward/overlong_penalty"] = (sum(e.reward_info["overlong_penalty"] for e in train_episodes)
+                                                           / max(len(train_episodes), 1))
+        if config.optim.skip_unfinished_episodes:
+            train_episodes = [e for e in train_episodes if e.is_finished]
         update_metrics = update_policy(model, optimizer, train_episodes, config.loss, config.optim.micro_batch_size,
                                        config.optim.max_grad_norm, tokenizer.pad_token_id, config.rollout.max_gen_len,
-                                       config.optim.logprob_chunk_size, progress=progress)
+                                       config.optim.logprob_chunk_size, progress=progress, reference_model=reference_model)
 
         episodes = [episode for rank_episodes in distributed.all_gather(episodes) for episode in rank_episodes]
         generated_tokens = sum(e.num_generated_tokens for e in episodes)
         metrics = {
             **episode_metrics(episodes, config.rollout.num_answers_per_question),
             **{f"train/{key}": value for key, value in update_metrics.items()},
+            **sampling_metrics,
             "train/learning_rate": optimizer.param_groups[0]["lr"],
             "time/rollout_seconds": rollout_seconds,
             "time/generated_tokens_per_second": generated_tokens / rollout_seconds,
