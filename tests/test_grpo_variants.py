@@ -1,5 +1,6 @@
 """The GRPO variants (DAPO, GSPO, Dr. GRPO, per-batch std, KL to a reference) against values computed by hand."""
 
+import copy
 import logging
 import math
 from pathlib import Path
@@ -14,7 +15,9 @@ import train
 from config import ConfigError
 from data_types import Episode
 from grpo import (LossConfig, apply_overlong_penalty, compute_advantages, k3_kl, overlong_penalty,
-                  sample_informative_groups, surrogate_token_losses)
+                  sample_informative_groups, surrogate_token_losses, update_policy)
+from test_grpo import (TOKEN, assert_same_parameters, expected_sgd_update, per_token_log_probs, policy,  # noqa: F401
+                       sample_episodes)
 from test_train import countdown_dir, digit_reward, read_scalars, tiny_config  # noqa: F401 (fixtures)
 
 VARIANTS = Path(__file__).resolve().parents[1] / "configs" / "variants"
@@ -200,6 +203,79 @@ def test_k3_averaged_over_the_policy_is_the_exact_kl():
     exact = sum(pi * math.log(pi / qi) for pi, qi in zip(p.tolist(), q.tolist()))
     assert (p * k3_kl(p.log(), q.log())).sum().item() == pytest.approx(exact, abs=1e-12)
     assert (k3_kl(p.log(), q.log()) >= 0).all()
+
+
+# ----------------------------------------------------------------------------- the variants inside update_policy
+
+
+def sgd_update(model, episodes, config, reference_model=None):
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    metrics = update_policy(model, optimizer, episodes, config, micro_batch_size=2, max_grad_norm=1e9, pad_token_id=0,
+                            max_gen_len=16, logprob_chunk_size=4, reference_model=reference_model)
+    return model, metrics
+
+
+def perturbed(model, scale=0.05):
+    reference = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in reference.parameters():
+            param += scale * torch.randn(param.shape, generator=generator)
+    return reference
+
+
+def test_kl_penalty_in_the_update_equals_the_hand_gradient(policy):
+    episodes = sample_episodes()
+    reference = perturbed(policy)
+    config = LossConfig(kl_beta=0.5)
+    advantages = compute_advantages(episodes, config)
+    with torch.no_grad():
+        reference_log_probs = [per_token_log_probs(reference, e) for e in episodes]
+        expected_kl = sum(k3_kl(per_token_log_probs(policy, e), r).sum() for e, r in zip(episodes, reference_log_probs))
+
+    def hand_loss(model):  # token aggregation: every generated token weighs 1 / (all generated tokens)
+        total = 0.0
+        for index, episode in enumerate(episodes):
+            log_probs = per_token_log_probs(model, episode)
+            ratio = torch.exp(log_probs - log_probs.detach())
+            kl = torch.exp(reference_log_probs[index] - log_probs) - (reference_log_probs[index] - log_probs) - 1
+            total = total + TOKEN(episode, episodes) * (-(ratio * advantages[index]) + 0.5 * kl).sum()
+        return total
+
+    updated, metrics = sgd_update(policy, episodes, config, reference)
+    expected, expected_loss = expected_sgd_update(policy, hand_loss)
+    assert_same_parameters(updated, expected)
+    assert metrics["loss"] == pytest.approx(expected_loss, abs=1e-6)
+    assert metrics["kl"] == pytest.approx(expected_kl.item() / sum(e.num_generated_tokens for e in episodes), rel=1e-5)
+    assert metrics["kl"] > 0
+    with pytest.raises(ValueError, match="reference model"):
+        sgd_update(policy, episodes, config)
+
+
+def test_gspo_with_clip_higher_over_two_epochs_equals_the_hand_gradient(policy):
+    episodes = sample_episodes()
+    config = LossConfig(importance_sampling="sequence", aggregation="sequence", epochs_per_rollout=2, clip="ppo",
+                        clip_range=0.3, clip_range_high=0.5)
+    advantages = compute_advantages(episodes, config)
+    with torch.no_grad():
+        sampling_log_probs = [per_token_log_probs(policy, e) for e in episodes]
+
+    # SGD at lr 0.1 moves the tiny policy far: after the first step the answers' ratios s are about 2.8, 0.78,
+    # 0.27, 1.32, 0.68, 0.45, so the second step clips some answers, and 1.32 (A > 0) only with clip-higher.
+    def hand_loss(model):  # GSPO: -(1/N) sum_i min(s_i A_i, clip(s_i, 1 - 0.3, 1 + 0.5) A_i)
+        total = 0.0
+        for index, episode in enumerate(episodes):
+            s = torch.exp((per_token_log_probs(model, episode) - sampling_log_probs[index]).mean())
+            objective = torch.minimum(s * advantages[index], s.clamp(0.7, 1.5) * advantages[index])
+            total = total - objective / len(episodes)
+        return total
+
+    after_first, _ = expected_sgd_update(policy, hand_loss)
+    expected, _ = expected_sgd_update(after_first, hand_loss)
+    updated, metrics = sgd_update(policy, episodes, config)
+    assert_same_parameters(updated, expected, atol=1e-5)
+    assert metrics["ratio_max"] > 1.0
 
 
 # ----------------------------------------------------------------------------- dynamic sampling (DAPO)
