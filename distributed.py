@@ -1,7 +1,7 @@
 """Multi-GPU and multi-node training with PyTorch's own torch.distributed, launched by torchrun.
 
 Data parallel: every rank holds the whole model, samples its share of the step's questions and
-backpropagates its episodes; `all_reduce_gradients` then sums the gradients. With `fsdp: true`,
+backpropagates its episodes; DDP sums the gradients (`training_model`, `OptimizerStep`). With `fsdp: true`,
 FSDP2 (`fully_shard`, one unit per transformer block) shards parameters, gradients and optimizer
 state over the ranks instead, and reduce-scatters gradients during backward.
 
@@ -9,12 +9,13 @@ Every helper here is a no-op in a plain single-process run, which never creates 
 """
 
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from qwen2_model import Transformer
 
@@ -131,45 +132,72 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def all_reduce_gradients(model: torch.nn.Module) -> None:
-    """Sum gradients over ranks (FSDP already reduce-scattered them in backward).
+def training_model(model: Transformer, device: torch.device, fsdp: bool) -> torch.nn.Module:
+    """The module whose forward and backward the update runs: under torchrun, DDP over `model` (or
+    `model` itself sharded in place by FSDP2); in a plain run, `model`. Generation, evaluation and
+    saving keep using `model`."""
+    if not is_initialized():
+        return model
+    if fsdp:
+        shard_model(model, device)
+        return model
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    ddp.register_comm_hook(None, _sum_gradients)
+    return ddp
 
-    A sum, not DDP's mean: each rank's loss is already divided by the *global* token (or sequence)
-    count, so the ranks' gradients are the pieces of the single-process gradient and add up to it.
-    A parameter without a gradient joins with zeros so that every rank issues the same collectives.
+
+def _sum_gradients(_, bucket):
+    # A sum, not DDP's mean: each rank's loss is already divided by the *global* token (or sequence)
+    # count, so the ranks' gradients are the pieces of the single-process gradient and add up to it.
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda future: future.value()[0])
+
+
+class OptimizerStep:
+    """Where gradients meet ranks: summed over them (by DDP or FSDP, in backward), clipped, applied.
+
+    Wrap each micro-batch's forward and backward in `micro_batch(last)`: DDP then sums gradients only
+    in the step's last backward (the others accumulate locally). FSDP reduce-scatters in every one.
     """
-    if not is_initialized() or is_sharded(model):
-        return
-    for param in model.parameters():
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        # One collective per tensor keeps no flat copy of the gradients; it runs once per optimizer
-        # step (after all micro-batches), which is small next to a GRPO step's rollout.
-        dist.all_reduce(param.grad)
 
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float):
+        self.model, self.optimizer, self.max_grad_norm = model, optimizer, max_grad_norm
+        self.is_ddp = isinstance(model, DistributedDataParallel)
+        self.summed = False
 
-def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> float:
-    """torch's clip_grad_norm_, returning the norm as a number; under FSDP it is the norm of all shards."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    return (norm.full_tensor() if is_sharded(model) else norm).item()
+    def micro_batch(self, last: bool):
+        if self.is_ddp and not last:
+            return self.model.no_sync()
+        self.summed = True
+        return nullcontext()
+
+    def __call__(self) -> float:
+        """Apply the accumulated gradients; returns their norm (over all shards under FSDP) before clipping."""
+        if self.is_ddp and not self.summed:
+            # This rank had no micro-batch (all its episodes were filtered out), but the others wait for
+            # its share of the sum: a forward and backward with zero loss gives it, as zeros.
+            tokens = torch.zeros((1, 1), dtype=torch.long, device=next(self.model.parameters()).device)
+            log_probs, _ = self.model(tokens, targets=tokens)
+            (log_probs.sum() * 0).backward()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.summed = False
+        return (norm.full_tensor() if is_sharded(self.model) else norm).item()
 
 
 def shard_model(model: Transformer, device: torch.device) -> None:
     """FSDP2 over all ranks: one all-gather unit per transformer block, the root holding embeddings,
     final norm and lm_head. Each block's shards move to `device` (this rank's GPU, or the CPU)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device.type, (world_size(),))
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    # logprobs.py runs hidden_states() and then lm_head.weight directly, not forward(); the root's
-    # parameters stay gathered after that forward (FSDP's default for the root) until backward is done.
-    register_fsdp_forward_method(model, "hidden_states")
     for module in model.modules():
         if is_sharded(module):
-            # Sum, not FSDP's default mean, for the reason in all_reduce_gradients.
+            # Sum, not FSDP's default mean, for the reason in _sum_gradients.
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
 

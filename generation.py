@@ -79,10 +79,8 @@ def prefill(model: Transformer, prompts: list[list[int]], max_seq_len: int):
     )
     positions = torch.arange(padded.shape[1], device=device).expand(len(prompts), -1)
     kv_cache = model.new_kv_cache(len(prompts), max_seq_len)
-    hidden = model.hidden_states(padded, positions, kv_cache)
     # Only the last real token's logits are needed: skip the vocabulary projection elsewhere.
-    last_hidden = hidden[torch.arange(len(prompts), device=device), lengths - 1]
-    return kv_cache, model.lm_head(last_hidden), lengths
+    return kv_cache, model(padded, positions, kv_cache, logits_at=lengths - 1), lengths
 
 
 def keep_rows_in_place(kv_cache: KVCache, rows: torch.Tensor) -> KVCache:

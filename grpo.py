@@ -11,16 +11,18 @@ import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
 import torch
 from tqdm import tqdm
 
-import distributed
 from config import ConfigError
 from data_types import Episode, QuestionBatch
 from generation import generate
 from logprobs import token_log_probs
+
+if TYPE_CHECKING:  # the config sections live with the entry point that reads them
+    from train import OptimConfig, RolloutConfig
 
 logger = logging.getLogger(__name__)
 RewardForItem = Callable[[str, dict, str | None], dict]
@@ -67,31 +69,26 @@ def rollout(
     tokenizer,
     batch: QuestionBatch,
     reward_for_item: RewardForItem,
-    num_answers_per_question: int,
-    max_gen_len: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
+    config: "RolloutConfig",
     generator: torch.Generator | None = None,
-    compile_decode: bool = False,
     progress: bool = False,
 ) -> list[Episode]:
-    """Sample `num_answers_per_question` completions per question and score each one."""
-    with distributed.full_parameters(model):
-        completions = generate(
-            model,
-            batch.prompt_token_ids,
-            num_samples_per_prompt=num_answers_per_question,
-            max_gen_len=max_gen_len,
-            eos_token_id=tokenizer.eos_token_id,
-            temperature=temperature,
-            top_p=top_p,
-            generator=generator,
-            compile_decode=compile_decode,
-            progress=progress,
-        )
+    """Sample `config.num_answers_per_question` completions per question and score each one."""
+    completions = generate(
+        model,
+        batch.prompt_token_ids,
+        num_samples_per_prompt=config.num_answers_per_question,
+        max_gen_len=config.max_gen_len,
+        eos_token_id=tokenizer.eos_token_id,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        generator=generator,
+        compile_decode=config.compile_decode,
+        progress=progress,
+    )
     episodes = []
     for index, completion in enumerate(completions):
-        question_index = index // num_answers_per_question
+        question_index = index // config.num_answers_per_question
         text = tokenizer.decode(completion.token_ids)
         score = reward_for_item(text, batch.items[question_index], tokenizer.eos_token)
         episodes.append(
@@ -109,14 +106,19 @@ def rollout(
     return episodes
 
 
-def compute_advantages(episodes: list[Episode], config: LossConfig) -> list[float]:
-    """Per-episode advantage from its group (the answers to the same question)."""
+def compute_advantages(episodes: list[Episode], config: LossConfig, batch_rewards: list[float] | None = None) -> list[float]:
+    """Per-episode advantage from its group (the answers to the same question).
+
+    std_scope "batch" divides by the std of `batch_rewards` (default: these episodes' rewards; under
+    data parallel the caller passes every rank's).
+    """
     groups = defaultdict(list)
     for index, episode in enumerate(episodes):
         groups[episode.question_index].append(index)
     advantages = [0.0] * len(episodes)
     if config.std_normalization and config.std_scope == "batch":
-        batch_std = torch.tensor([e.reward for e in episodes], dtype=torch.float64).std(correction=0)
+        batch_rewards = [e.reward for e in episodes] if batch_rewards is None else batch_rewards
+        batch_std = torch.tensor(batch_rewards, dtype=torch.float64).std(correction=0)
     for members in groups.values():
         rewards = torch.tensor([episodes[i].reward for i in members], dtype=torch.float64)
         centered = rewards
@@ -131,16 +133,16 @@ def compute_advantages(episodes: list[Episode], config: LossConfig) -> list[floa
     return advantages
 
 
-def episode_loss_weights(episodes: list[Episode], config: LossConfig, max_gen_len: int) -> list[float]:
+def episode_loss_weights(episodes: list[Episode], config: LossConfig, num_sequences: int, num_tokens: int,
+                         max_gen_len: int) -> list[float]:
     """The weight of each of an episode's token losses, so the batch loss is the chosen average.
 
-    token: 1 / (generated tokens in the whole batch); sequence: 1 / (sequences x this length);
-    constant: 1 / (sequences x a fixed length). Counts are global across data-parallel ranks.
+    token: 1 / num_tokens (generated tokens in the whole batch); sequence: 1 / (num_sequences x this
+    length); constant: 1 / (num_sequences x a fixed length). The counts are the whole batch's: under
+    data parallel the caller passes the sums over all ranks, so the ranks' losses add up to one loss.
     """
-    num_sequences = distributed.global_sum(len(episodes))
     if config.aggregation == "token":
-        total_tokens = distributed.global_sum(sum(e.num_generated_tokens for e in episodes))
-        return [1.0 / total_tokens] * len(episodes)
+        return [1.0 / num_tokens] * len(episodes)
     if config.aggregation == "sequence":
         return [1.0 / (num_sequences * max(e.num_generated_tokens, 1)) for e in episodes]
     constant = config.aggregation_constant or max_gen_len
@@ -186,93 +188,104 @@ def pad_micro_batch(episodes: list[Episode], pad_token_id: int, device):
 
 def update_policy(
     model,
-    optimizer,
+    optimizer_step,
     episodes: list[Episode],
+    advantages: list[float],
+    counts: tuple[int, int],
     config: LossConfig,
-    micro_batch_size: int,
-    max_grad_norm: float,
-    pad_token_id: int,
+    optim: "OptimConfig",
     max_gen_len: int,
-    logprob_chunk_size: int = 256,
+    pad_token_id: int,
     progress: bool = False,
     reference_model=None,
 ) -> dict[str, float]:
-    """`epochs_per_rollout` optimizer steps on these episodes; returns the update's metrics.
+    """`config.epochs_per_rollout` optimizer steps on these episodes; returns sums for `update_metrics`.
 
+    counts: (sequences, generated tokens) of the whole batch, which the loss is averaged over. Under
+    data parallel `episodes` are this rank's and the counts all ranks', so the ranks' losses add up.
+    optimizer_step (distributed.OptimizerStep): each micro-batch's forward and backward run inside
+    `optimizer_step.micro_batch(last)` (`last`: an epoch's last micro-batch); `optimizer_step()`
+    then applies the accumulated gradients and returns their norm.
     With config.kl_beta > 0, `reference_model` (the frozen initial policy) adds beta x k3 KL per token.
-
-    Data-parallel: `episodes` are this rank's (whole groups); losses are divided by global counts,
-    and the metrics are over all ranks' episodes.
     """
-    # A rank whose episodes were all filtered out still joins the other ranks' gradient sum.
-    if not distributed.global_sum(len(episodes)):
+    if not counts[0]:
         logger.warning("no episodes to train on this step (all were filtered out); skipping the update")
         return {}
     if config.kl_beta and reference_model is None:
         raise ValueError("loss.kl_beta > 0 needs the frozen reference model (reference_model=...)")
+    weights = episode_loss_weights(episodes, config, *counts, max_gen_len)
     start = time.perf_counter()
     device = next(model.parameters()).device
-    advantages = compute_advantages(episodes, config)
-    weights = episode_loss_weights(episodes, config, max_gen_len)
-    batches = micro_batches(episodes, micro_batch_size)
+    batches = micro_batches(episodes, optim.micro_batch_size)
     old_log_probs = {}  # per micro-batch, from the first epoch: the policy that sampled the episodes
     reference_log_probs = {}  # per micro-batch, from the frozen reference (kl_beta > 0 only)
-    # Summed over ranks at the end, so every rank needs the same keys, even one without episodes.
-    totals = dict.fromkeys(["loss", "tokens", "entropy", "clipped", "ratio_sum", "kl_sum"], 0.0)
+    # Accumulated on the device and read once at the end: a host read per micro-batch would stall
+    # the device queue. float64, so sums of float32 values are the same as Python's float sums.
+    sums = torch.zeros(len(TOKEN_SUMS), dtype=torch.float64, device=device)
     ratio_max = torch.zeros((), device=device)
+    kl_sum = torch.zeros((), dtype=torch.float64, device=device)
+    grad_norm, num_tokens = 0.0, 0
     model.train()
     for epoch in range(config.epochs_per_rollout):
         bar = tqdm(batches, desc=f"update {epoch + 1}/{config.epochs_per_rollout}", disable=not progress, leave=False)
         for batch_number, indices in enumerate(bar):
             batch = [episodes[i] for i in indices]
             tokens, mask = pad_micro_batch(batch, pad_token_id, device)
-            log_probs, entropy = token_log_probs(model, tokens, logprob_chunk_size)
-            if epoch == 0:
-                old_log_probs[batch_number] = log_probs.detach()
+            with optimizer_step.micro_batch(batch_number == len(batches) - 1):
+                log_probs, entropy = token_log_probs(model, tokens, optim.logprob_chunk_size)
+                if epoch == 0:
+                    old_log_probs[batch_number] = log_probs.detach()
+                    if config.kl_beta:
+                        with torch.no_grad():
+                            reference = token_log_probs(reference_model, tokens, optim.logprob_chunk_size)[0]
+                        # Prompt and padding positions get the policy's own value (KL 0), so a far-off
+                        # reference there cannot overflow exp() into inf x 0 = NaN.
+                        reference_log_probs[batch_number] = torch.where(mask, reference, log_probs.detach())
+                per_token_advantage = torch.tensor([advantages[i] for i in indices], device=device)[:, None]
+                per_token_weight = torch.tensor([weights[i] for i in indices], device=device)[:, None] * mask
+                token_losses, ratio, clipped = surrogate_token_losses(
+                    log_probs, old_log_probs[batch_number], per_token_advantage, config, mask
+                )
                 if config.kl_beta:
-                    with torch.no_grad():
-                        reference = token_log_probs(reference_model, tokens, logprob_chunk_size)[0]
-                    # Prompt and padding positions get the policy's own value (KL 0), so a far-off
-                    # reference there cannot overflow exp() into inf x 0 = NaN.
-                    reference_log_probs[batch_number] = torch.where(mask, reference, log_probs.detach())
-            per_token_advantage = torch.tensor([advantages[i] for i in indices], device=device)[:, None]
-            per_token_weight = torch.tensor([weights[i] for i in indices], device=device)[:, None] * mask
-            token_losses, ratio, clipped = surrogate_token_losses(
-                log_probs, old_log_probs[batch_number], per_token_advantage, config, mask
-            )
-            if config.kl_beta:
-                kl = k3_kl(log_probs, reference_log_probs[batch_number])
-                token_losses = token_losses + config.kl_beta * kl
-                totals["kl_sum"] += (kl.detach() * mask).sum().item()
-            loss = (token_losses * per_token_weight).sum()
-            loss.backward()
-            totals["loss"] += loss.item() / config.epochs_per_rollout
-            totals["tokens"] += mask.sum().item()
-            totals["entropy"] += (entropy * mask).sum().item()
-            totals["clipped"] += (clipped & mask).sum().item()
-            totals["ratio_sum"] += (ratio.detach() * mask).sum().item()
-            ratio_max = torch.maximum(ratio_max, (ratio.detach() * mask).max())
-            bar.set_postfix(tok_per_s=f"{totals['tokens'] / (time.perf_counter() - start):.0f}")
-        distributed.all_reduce_gradients(model)
-        grad_norm = distributed.clip_grad_norm_(model, max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    totals["advantage_abs_sum"] = sum(abs(a) for a in advantages)
-    totals["episodes"] = len(episodes)
-    totals = distributed.global_sums(totals)
-    seconds = time.perf_counter() - start
-    kl_metrics = {"kl": totals["kl_sum"] / max(totals["tokens"], 1)} if config.kl_beta else {}
+                    kl = k3_kl(log_probs, reference_log_probs[batch_number])
+                    token_losses = token_losses + config.kl_beta * kl
+                    kl_sum += (kl.detach() * mask).sum().double()
+                loss = (token_losses * per_token_weight).sum()
+                loss.backward()
+            ratio = ratio.detach()
+            sums += torch.stack([loss.detach().double() / config.epochs_per_rollout, mask.sum().double(),
+                                 (entropy * mask).sum().double(), (clipped & mask).sum().double(),
+                                 (ratio * mask).sum().double()])
+            ratio_max = torch.maximum(ratio_max, (ratio * mask).max())
+            num_tokens += sum(episode.num_generated_tokens for episode in batch)
+            bar.set_postfix(tok_per_s=f"{num_tokens / (time.perf_counter() - start):.0f}")
+        grad_norm = optimizer_step()
+    totals = dict(zip(TOKEN_SUMS, sums.tolist()))
+    if config.kl_beta:
+        totals["kl_sum"] = kl_sum.item()
+    return {**totals, "advantage_abs_sum": sum(abs(a) for a in advantages), "episodes": len(episodes),
+            "ratio_max": ratio_max.item(), "grad_norm": grad_norm, "update_seconds": time.perf_counter() - start}
+
+
+# What update_policy sums over micro-batches, and then what a caller sums over ranks before update_metrics.
+TOKEN_SUMS = ("loss", "tokens", "entropy", "clipped", "ratio_sum")
+UPDATE_SUMS = (*TOKEN_SUMS, "advantage_abs_sum", "episodes", "kl_sum")  # kl_sum: only with kl_beta > 0
+
+
+def update_metrics(totals: dict[str, float]) -> dict[str, float]:
+    """Means of update_policy's sums (a single rank's, or every rank's added up)."""
+    tokens = max(totals["tokens"], 1)
     return {
-        **kl_metrics,
+        **({"kl": totals["kl_sum"] / tokens} if "kl_sum" in totals else {}),
         "loss": totals["loss"],
-        "grad_norm": grad_norm,
-        "entropy": totals["entropy"] / max(totals["tokens"], 1),
-        "clip_fraction": totals["clipped"] / max(totals["tokens"], 1),
-        "ratio_mean": totals["ratio_sum"] / max(totals["tokens"], 1),
-        "ratio_max": distributed.global_max(ratio_max.item()),
-        "advantage_abs_mean": totals["advantage_abs_sum"] / totals["episodes"],
-        "update_seconds": seconds,
-        "update_tokens_per_second": totals["tokens"] / seconds,
+        "grad_norm": totals["grad_norm"],
+        "entropy": totals["entropy"] / tokens,
+        "clip_fraction": totals["clipped"] / tokens,
+        "ratio_mean": totals["ratio_sum"] / tokens,
+        "ratio_max": totals["ratio_max"],
+        "advantage_abs_mean": totals["advantage_abs_sum"] / max(totals["episodes"], 1),
+        "update_seconds": totals["update_seconds"],
+        "update_tokens_per_second": totals["tokens"] / totals["update_seconds"],
     }
 
 

@@ -16,6 +16,8 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from logprobs import chunked_token_log_probs
+
 def download_hint(model_dir: Path) -> str:
     # A directory named like a Hub model (Qwen2.5-Math-1.5B, ...) gets that model's clone command.
     name = model_dir.name if model_dir.name.startswith("Qwen") else "Qwen2.5-3B-Instruct"
@@ -124,7 +126,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, layer_cache=None, positions=None):
+    def forward(self, x, cos, sin, layer_cache=None, positions=None, mask=None):
         batch, seq, _ = x.shape
         q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
@@ -140,10 +142,6 @@ class Attention(nn.Module):
             rows = torch.arange(batch, device=x.device)[:, None]
             cache_k[rows, positions] = k
             cache_v[rows, positions] = v
-            # Attend over the whole buffer with a per-row causal mask: static shapes (CUDA-graph friendly),
-            # and slots beyond a row's position (padding, other rows' lengths) are never seen.
-            key_positions = torch.arange(cache_k.shape[1], device=x.device)
-            mask = key_positions[None, None, None, :] <= positions[:, None, :, None]
             out = F.scaled_dot_product_attention(
                 q, cache_k.transpose(1, 2), cache_v.transpose(1, 2), attn_mask=mask, enable_gqa=True
             )
@@ -169,8 +167,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, layer_cache=None, positions=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_cache, positions)
+    def forward(self, x, cos, sin, layer_cache=None, positions=None, mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_cache, positions, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -207,19 +205,36 @@ class Transformer(nn.Module):
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
         x = self.embed_tokens(tokens)
         cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        if kv_cache is not None:
+            # Attend over the whole buffer with a per-row causal mask: static shapes (CUDA-graph friendly),
+            # and slots beyond a row's position (padding, other rows' lengths) are never seen.
+            key_positions = torch.arange(kv_cache.max_seq_len, device=tokens.device)
+            mask = key_positions[None, None, None, :] <= positions[:, None, :, None]
         for index, layer in enumerate(self.layers):
             if kv_cache is not None:
                 layer_cache = (kv_cache.keys[index], kv_cache.values[index])
-                x = layer(x, cos, sin, layer_cache, positions)
+                x = layer(x, cos, sin, layer_cache, positions, mask)
             elif self.gradient_checkpointing and self.training:
                 x = checkpoint(layer, x, cos, sin, use_reentrant=False)
             else:
                 x = layer(x, cos, sin)
         return self.norm(x)
 
-    def forward(self, tokens: torch.Tensor, positions=None, kv_cache: KVCache | None = None) -> torch.Tensor:
-        """Logits [batch, seq, vocab] in the model's dtype."""
-        return self.lm_head(self.hidden_states(tokens, positions, kv_cache))
+    def forward(self, tokens: torch.Tensor, positions=None, kv_cache: KVCache | None = None, *,
+                logits_at: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+                logprob_chunk_size: int = 256):
+        """Logits [batch, seq, vocab] in the model's dtype, or what a caller needs instead of all of them:
+
+        logits_at [batch]: only the logits at each row's given position, [batch, vocab] (prefill).
+        targets [batch, seq]: (log p(targets) [batch, seq], entropy [batch, seq]) in float32, computed
+        chunk by chunk without the whole logits tensor (the update; see logprobs.py).
+        """
+        hidden = self.hidden_states(tokens, positions, kv_cache)
+        if targets is not None:
+            return chunked_token_log_probs(hidden, targets, self.lm_head.weight, logprob_chunk_size)
+        if logits_at is not None:
+            hidden = hidden[torch.arange(len(hidden), device=hidden.device), logits_at]
+        return self.lm_head(hidden)
 
     def new_kv_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
         weight = self.embed_tokens.weight

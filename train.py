@@ -5,24 +5,26 @@
 """
 
 import argparse
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Literal
 
 import torch
 
+import bootstrap
 import checkpoint
 import config as config_lib
 import distributed
 import tasks
-from bootstrap import BootstrapConfig, prepare_missing_inputs
+from bootstrap import BootstrapConfig
 from data_types import Episode, QuestionBatch
 from distributed import DistributedConfig
 from evaluate import EvalConfig, evaluate
-from grpo import LossConfig, apply_overlong_penalty, rollout, sample_informative_groups, update_policy
+from grpo import (UPDATE_SUMS, LossConfig, apply_overlong_penalty, compute_advantages, overlong_penalty, rollout,
+                  sample_informative_groups, update_metrics, update_policy)
 from optimizer import MemoryEfficientAdamW
 from run_logging import LoggingConfig, RunLogger
 from runtime import (ModelSetup, load_model, resolve_device, rng_state, seed_everything, set_cpu_threads, set_rng_state,
@@ -183,135 +185,212 @@ def run_evaluation(model, tokenizer, test_set, reward_for_item, config: TrainCon
 
 def train(config: TrainConfig, resume: str | None = None) -> dict:
     """Run GRPO as configured; returns the last evaluation's metrics (empty if none ran)."""
-    device = distributed.rank_device(resolve_device(config.device))
-    set_cpu_threads(config.cpu_threads)
-    seed_everything(config.seed)
+    device = set_up_process(config)
     checkpoint_dir = checkpoint.find(resume) if resume else None
-    run_name = config.run_name or (checkpoint_dir.parent.name if checkpoint_dir else datetime.now().strftime("%Y%m%d-%H%M%S"))
-    config.run_name = run_name
-
-    if distributed.world_size() == 1:  # ranks would race to write the same files: bootstrap single-process
-        prepare_missing_inputs(config.bootstrap, config.task, config.model.dir)
+    config.run_name = config.run_name or (checkpoint_dir.parent.name if checkpoint_dir else timestamp())
+    prepare_missing_inputs(config)
     # A checkpoint holds the policy and a copy of the tokenizer, so it is a complete model directory.
     model_dir = checkpoint_dir or Path(config.model.dir)
-    shard = config.distributed.fsdp and distributed.is_initialized()
-    # FSDP: load on the CPU, and each block moves to the device already sharded.
-    model = load_model(config.model, torch.device("cpu") if shard else device, model_dir)
-    if shard:
-        distributed.shard_model(model, device)
+    model, policy = load_policy(config, model_dir, device)  # policy: what the update runs (DDP/FSDP or model)
     reference_model = None
     if config.loss.kl_beta:  # the KL anchor: the initial policy (model.dir, also on resume), frozen, same dtype
         reference_model = load_model(config.model, device).requires_grad_(False).eval()
     tokenizer = Tokenizer(model_dir)
-    train_set = tasks.load_dataset(config.task, tokenizer, "train")
-    test_set = tasks.load_dataset(config.task, tokenizer, "test")
+    train_set, test_set = (tasks.load_dataset(config.task, tokenizer, split) for split in ("train", "test"))
     reward_for_item = tasks.reward_function(config.task)
-
-    optimizer = MemoryEfficientAdamW(model.parameters(), lr=config.optim.learning_rate, betas=config.optim.betas,
-                                     eps=config.optim.eps, weight_decay=config.optim.weight_decay,
-                                     enabled=config.optim.memory_efficient_adamw)
+    optimizer = new_optimizer(model, config.optim)
+    optimizer_step = distributed.OptimizerStep(policy, optimizer, config.optim.max_grad_norm)
     generator = torch.Generator(device=device).manual_seed(config.seed + distributed.rank())
-    start_step = 0
-    if checkpoint_dir:
-        state = checkpoint.load_trainer_state(checkpoint_dir)
-        if len(state["rng_per_rank"]) != distributed.world_size():
-            raise ValueError(f"{checkpoint_dir} was written by {len(state['rng_per_rank'])} ranks; resume it with "
-                             f"as many (torchrun --nproc_per_node ...), not {distributed.world_size()}.")
-        distributed.load_optimizer_state_dict(model, optimizer, state["optimizer"])
-        generator.set_state(state["rng_per_rank"][distributed.rank()]["generator"])
-        set_rng_state(state["rng_per_rank"][distributed.rank()]["rng"])
-        start_step = state["step"]
-        logger.info("resumed from %s at step %d", checkpoint_dir, start_step)
+    start_step = restore_trainer_state(checkpoint_dir, model, optimizer, generator) if checkpoint_dir else 0
+    run_logger = open_run(config, start_step)  # rank 0 only
+    progress = config.progress and distributed.is_main_process()
+    logger.info("run %s on %s: %d train / %d test questions, logs in %s", config.run_name, device, len(train_set),
+                len(test_set), Path(config.logging.log_dir) / config.run_name)
 
-    is_main = distributed.is_main_process()
-    progress = config.progress and is_main
-    run_logger = RunLogger(config.logging, run_name, config_lib.to_dict(config), start_step) if is_main else None
-    run_directory = Path(config.checkpoint.dir) / run_name
-    if is_main:
-        run_directory.mkdir(parents=True, exist_ok=True)
-        config_lib.dump(config, run_directory / "config.yaml")
-        run_logger.text("config", config_lib.to_yaml(config), start_step + 1)
-    logger.info("run %s on %s: %d train / %d test questions, logs in %s", run_name, device, len(train_set),
-                len(test_set), Path(config.logging.log_dir) / run_name)
-
-    eval_metrics = {}
-    if config.eval.interval and start_step == 0:
-        eval_metrics = run_evaluation(model, tokenizer, test_set, reward_for_item, config, run_logger, 0)
-    questions = config.questions_per_step // distributed.world_size()
+    evaluation = functools.partial(run_evaluation, model, tokenizer, test_set, reward_for_item, config, run_logger)
+    eval_metrics = evaluation(0) if config.eval.interval and start_step == 0 else {}
     for step in range(start_step + 1, config.optim.num_steps + 1):
-        def sample_round(round_index: int) -> list[Episode]:
-            # Round 0 asks the step's questions; dynamic sampling's extra rounds draw from a second shuffle
-            # of the training set, so each round's questions are a fixed function of (step, round): resumable.
-            if round_index == 0:
-                indices = step_indices(step - 1, config.questions_per_step, len(train_set), config.seed)
-            else:
-                extra_round = (step - 1) * (config.rollout.dynamic_sampling_max_rounds - 1) + round_index - 1
-                indices = step_indices(extra_round, config.questions_per_step, len(train_set), config.seed + 1)
-            batch = make_batch(train_set, indices[distributed.rank() * questions : (distributed.rank() + 1) * questions],
-                               config.rollout.max_prompt_len)
-            return rollout(model, tokenizer, batch, reward_for_item, config.rollout.num_answers_per_question,
-                           config.rollout.max_gen_len, config.rollout.temperature, config.rollout.top_p, generator,
-                           config.rollout.compile_decode, progress=progress)
+        def sample_round(round_index: int) -> list[Episode]:  # the rollout of one round of the step's questions
+            batch = question_batch(train_set, step, config, round_index)
+            return rollout(model, tokenizer, batch, reward_for_item, config.rollout, generator, progress)
 
         rollout_start = time.perf_counter()
         model.eval()
-        sampling_metrics = {}
-        if config.rollout.dynamic_sampling:
-            train_episodes, episodes, rounds = sample_informative_groups(sample_round, questions,
-                                                                         config.rollout.dynamic_sampling_max_rounds)
-            sampling_metrics = {"train/dynamic_sampling_rounds": distributed.global_max(rounds),
-                                "train/questions_sampled": distributed.global_sum(len(episodes))
-                                / config.rollout.num_answers_per_question}
-        else:
-            episodes = train_episodes = sample_round(0)
+        with distributed.full_parameters(model):
+            episodes, train_episodes, sampling = sample_step(sample_round, config)
         rollout_seconds = time.perf_counter() - rollout_start
-        if config.loss.overlong_buffer_fraction:  # shaped for the advantages; the logged rewards stay the task's
+        if config.loss.overlong_buffer_fraction:  # DAPO: shaped for the advantages; the logged rewards stay the task's
             train_episodes = apply_overlong_penalty(train_episodes, config.rollout.max_gen_len, config.loss)
-            sampling_metrics["reward/overlong_penalty"] = (sum(e.reward_info["overlong_penalty"] for e in train_episodes)
-                                                           / max(len(train_episodes), 1))
         if config.optim.skip_unfinished_episodes:
             train_episodes = [e for e in train_episodes if e.is_finished]
-        update_metrics = update_policy(model, optimizer, train_episodes, config.loss, config.optim.micro_batch_size,
-                                       config.optim.max_grad_norm, tokenizer.pad_token_id, config.rollout.max_gen_len,
-                                       config.optim.logprob_chunk_size, progress=progress, reference_model=reference_model)
-
-        episodes = [episode for rank_episodes in distributed.all_gather(episodes) for episode in rank_episodes]
-        generated_tokens = sum(e.num_generated_tokens for e in episodes)
-        metrics = {
-            **episode_metrics(episodes, config.rollout.num_answers_per_question),
-            **{f"train/{key}": value for key, value in update_metrics.items()},
-            **sampling_metrics,
-            "train/learning_rate": optimizer.param_groups[0]["lr"],
-            "time/rollout_seconds": rollout_seconds,
-            "time/generated_tokens_per_second": generated_tokens / rollout_seconds,
-        }
-        if is_main:
-            run_logger.scalars(metrics, step)
-            logger.info("step %d | reward %.3f | success %.3f | format %.3f | loss %.4f | grad %.3f | entropy %.3f | "
-                        "len %.0f | rollout %.1fs (%.0f tok/s) | update %.1fs", step, metrics["reward/mean"],
-                        metrics["train/success_rate"], metrics["reward/format"], update_metrics.get("loss", 0.0),
-                        update_metrics.get("grad_norm", 0.0), update_metrics.get("entropy", 0.0),
-                        metrics["response_length/mean"], rollout_seconds, metrics["time/generated_tokens_per_second"],
-                        update_metrics.get("update_seconds", 0.0))
-            if config.logging.sample_interval and step % config.logging.sample_interval == 0:
-                for index, episode in enumerate(episodes[: config.logging.num_samples]):
-                    run_logger.text(f"episodes/{index}", format_episode(episode), step)
+        advantages = compute_advantages(train_episodes, config.loss, all_ranks_rewards(train_episodes, config.loss))
+        update = update_policy(policy, optimizer_step, train_episodes, advantages, global_counts(train_episodes),
+                               config.loss, config.optim, config.rollout.max_gen_len, tokenizer.pad_token_id, progress,
+                               reference_model)
+        log_step(run_logger, step, episodes, update, rollout_seconds, optimizer, config, sampling)
         if config.eval.interval and step % config.eval.interval == 0:
-            eval_metrics = run_evaluation(model, tokenizer, test_set, reward_for_item, config, run_logger, step)
-        last_step = step == config.optim.num_steps
-        if (config.checkpoint.interval and step % config.checkpoint.interval == 0) or last_step:
-            # Every rank takes part (FSDP gathers the shards; each rank's sampling state is kept); rank 0 writes.
-            savable = distributed.savable_model(model)
-            trainer_state = {"step": step, "optimizer": distributed.optimizer_state_dict(model, optimizer),
-                             "rng_per_rank": distributed.all_gather({"generator": generator.get_state(),
-                                                                     "rng": rng_state()})}
-            if is_main:
-                path = checkpoint.save(run_directory / f"step_{step:06d}", savable, model_dir, config, trainer_state)
-                logger.info("saved checkpoint %s", path)
-            distributed.barrier()  # no rank goes on (and may read it) before the checkpoint is complete
+            eval_metrics = evaluation(step)
+        if (config.checkpoint.interval and step % config.checkpoint.interval == 0) or step == config.optim.num_steps:
+            save_checkpoint(config, step, model, optimizer, generator, model_dir)
     if run_logger:
         run_logger.close()
     return eval_metrics
+
+
+# ----------------------------------------------------------------------------- set-up
+
+
+def set_up_process(config: TrainConfig) -> torch.device:
+    """This rank's device; CPU threads and every random generator seeded from config.seed."""
+    device = distributed.rank_device(resolve_device(config.device))
+    set_cpu_threads(config.cpu_threads)
+    seed_everything(config.seed)
+    return device
+
+
+def timestamp() -> str:
+    return datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def prepare_missing_inputs(config: TrainConfig) -> None:
+    """The data and config.model.dir, created by the bootstrap commands where missing (the CPU demo)."""
+    if distributed.world_size() == 1:  # ranks would race to write the same files: bootstrap single-process
+        bootstrap.prepare_missing_inputs(config.bootstrap, config.task, config.model.dir)
+
+
+def load_policy(config: TrainConfig, model_dir: Path, device: torch.device):
+    """(model, policy): the model for generation and saving, and the module the update runs (see
+    distributed.training_model)."""
+    shard = config.distributed.fsdp and distributed.is_initialized()
+    # FSDP: load on the CPU, and each block moves to the device already sharded.
+    model = load_model(config.model, torch.device("cpu") if shard else device, model_dir)
+    return model, distributed.training_model(model, device, config.distributed.fsdp)
+
+
+def new_optimizer(model, optim: OptimConfig) -> MemoryEfficientAdamW:
+    return MemoryEfficientAdamW(model.parameters(), lr=optim.learning_rate, betas=optim.betas, eps=optim.eps,
+                                weight_decay=optim.weight_decay, enabled=optim.memory_efficient_adamw)
+
+
+def restore_trainer_state(checkpoint_dir: Path, model, optimizer, generator: torch.Generator) -> int:
+    """Load the optimizer and this rank's random states from a checkpoint; returns its step."""
+    state = checkpoint.load_trainer_state(checkpoint_dir)
+    if len(state["rng_per_rank"]) != distributed.world_size():
+        raise ValueError(f"{checkpoint_dir} was written by {len(state['rng_per_rank'])} ranks; resume it with "
+                         f"as many (torchrun --nproc_per_node ...), not {distributed.world_size()}.")
+    distributed.load_optimizer_state_dict(model, optimizer, state["optimizer"])
+    generator.set_state(state["rng_per_rank"][distributed.rank()]["generator"])
+    set_rng_state(state["rng_per_rank"][distributed.rank()]["rng"])
+    logger.info("resumed from %s at step %d", checkpoint_dir, state["step"])
+    return state["step"]
+
+
+def open_run(config: TrainConfig, start_step: int) -> RunLogger | None:
+    """Rank 0: the run's logger, and its config written beside the checkpoints and into the log."""
+    if not distributed.is_main_process():
+        return None
+    run_logger = RunLogger(config.logging, config.run_name, config_lib.to_dict(config), start_step)
+    run_directory = Path(config.checkpoint.dir) / config.run_name
+    run_directory.mkdir(parents=True, exist_ok=True)
+    config_lib.dump(config, run_directory / "config.yaml")
+    run_logger.text("config", config_lib.to_yaml(config), start_step + 1)
+    return run_logger
+
+
+# ----------------------------------------------------------------------------- per step
+
+
+def question_batch(train_set, step: int, config: TrainConfig, round_index: int = 0) -> QuestionBatch:
+    """This rank's share of the step's questions (a fixed function of the step, so runs resume exactly).
+
+    Dynamic sampling's extra rounds (round_index >= 1) draw from a second shuffle of the training set,
+    also a fixed function of (step, round); round 0 asks the same questions as a run without it.
+    """
+    questions = config.questions_per_step // distributed.world_size()
+    if round_index == 0:
+        indices = step_indices(step - 1, config.questions_per_step, len(train_set), config.seed)
+    else:
+        extra_round = (step - 1) * (config.rollout.dynamic_sampling_max_rounds - 1) + round_index - 1
+        indices = step_indices(extra_round, config.questions_per_step, len(train_set), config.seed + 1)
+    return make_batch(train_set, indices[distributed.rank() * questions : (distributed.rank() + 1) * questions],
+                      config.rollout.max_prompt_len)
+
+
+def sample_step(sample_round, config: TrainConfig) -> tuple[list[Episode], list[Episode], dict[str, float]]:
+    """(every sampled episode, the ones to train on, metrics): the step's questions, or with
+    rollout.dynamic_sampling, rounds of new questions until enough groups have rewards that differ."""
+    if not config.rollout.dynamic_sampling:
+        episodes = sample_round(0)
+        return episodes, episodes, {}
+    questions = config.questions_per_step // distributed.world_size()
+    kept, episodes, rounds = sample_informative_groups(sample_round, questions, config.rollout.dynamic_sampling_max_rounds)
+    return episodes, kept, {
+        "train/dynamic_sampling_rounds": distributed.global_max(rounds),
+        "train/questions_sampled": distributed.global_sum(len(episodes)) / config.rollout.num_answers_per_question,
+    }
+
+
+def all_ranks_rewards(episodes: list[Episode], loss: LossConfig) -> list[float] | None:
+    """Every rank's rewards, for loss.std_scope "batch" (the std over the whole batch); else None."""
+    if not (loss.std_normalization and loss.std_scope == "batch"):
+        return None
+    return [reward for rank_rewards in distributed.all_gather([e.reward for e in episodes]) for reward in rank_rewards]
+
+
+def global_counts(episodes: list[Episode]) -> tuple[int, int]:
+    """Episodes and generated tokens over all ranks: what the loss is averaged over."""
+    counts = distributed.global_sums({"sequences": len(episodes),
+                                      "tokens": sum(e.num_generated_tokens for e in episodes)})
+    return int(counts["sequences"]), int(counts["tokens"])
+
+
+def log_step(run_logger, step: int, episodes: list[Episode], update: dict, rollout_seconds: float, optimizer,
+             config: TrainConfig, sampling: dict[str, float]) -> None:
+    """All ranks' episodes and update sums into the console line and TensorBoard (rank 0 writes)."""
+    update = all_ranks_update_metrics(update)
+    episodes = [episode for rank_episodes in distributed.all_gather(episodes) for episode in rank_episodes]
+    if not run_logger:
+        return
+    generated_tokens = sum(e.num_generated_tokens for e in episodes)
+    metrics = {
+        **episode_metrics(episodes, config.rollout.num_answers_per_question),
+        **{f"train/{key}": value for key, value in update.items()},
+        "train/learning_rate": optimizer.param_groups[0]["lr"],
+        "time/rollout_seconds": rollout_seconds,
+        "time/generated_tokens_per_second": generated_tokens / rollout_seconds,
+        **sampling,
+    }
+    if config.loss.overlong_buffer_fraction:  # over every sampled answer, as the other reward metrics
+        metrics["reward/overlong_penalty"] = sum(overlong_penalty(e.num_generated_tokens, config.rollout.max_gen_len,
+                                                                  config.loss) for e in episodes) / len(episodes)
+    run_logger.scalars(metrics, step)
+    logger.info("step %d | reward %.3f | success %.3f | format %.3f | loss %.4f | grad %.3f | entropy %.3f | "
+                "len %.0f | rollout %.1fs (%.0f tok/s) | update %.1fs", step, metrics["reward/mean"],
+                metrics["train/success_rate"], metrics["reward/format"], update.get("loss", 0.0),
+                update.get("grad_norm", 0.0), update.get("entropy", 0.0), metrics["response_length/mean"],
+                rollout_seconds, metrics["time/generated_tokens_per_second"], update.get("update_seconds", 0.0))
+    if config.logging.sample_interval and step % config.logging.sample_interval == 0:
+        for index, episode in enumerate(episodes[: config.logging.num_samples]):
+            run_logger.text(f"episodes/{index}", format_episode(episode), step)
+
+
+def all_ranks_update_metrics(update: dict) -> dict[str, float]:
+    """update_metrics over every rank's update_policy sums (empty if the update was skipped)."""
+    if not update:
+        return {}
+    return update_metrics({**update, **distributed.global_sums({key: update[key] for key in UPDATE_SUMS if key in update}),
+                           "ratio_max": distributed.global_max(update["ratio_max"])})
+
+
+def save_checkpoint(config: TrainConfig, step: int, model, optimizer, generator: torch.Generator, model_dir) -> None:
+    """Every rank takes part (FSDP gathers the shards; each rank's sampling state is kept); rank 0 writes."""
+    savable = distributed.savable_model(model)
+    trainer_state = {"step": step, "optimizer": distributed.optimizer_state_dict(model, optimizer),
+                     "rng_per_rank": distributed.all_gather({"generator": generator.get_state(), "rng": rng_state()})}
+    if distributed.is_main_process():
+        path = Path(config.checkpoint.dir) / config.run_name / f"step_{step:06d}"
+        logger.info("saved checkpoint %s", checkpoint.save(path, savable, model_dir, config, trainer_state))
+    distributed.barrier()  # no rank goes on (and may read it) before the checkpoint is complete
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -193,13 +193,13 @@ def train_sft(config: SFTConfig) -> dict:
     shard = config.distributed.fsdp and distributed.is_initialized()
     # FSDP: load on the CPU, and each block moves to the device already sharded.
     model = load_model(config.model, torch.device("cpu") if shard else device)
-    if shard:
-        distributed.shard_model(model, device)
+    policy = distributed.training_model(model, device, config.distributed.fsdp)  # what the update runs
     tokenizer = Tokenizer(config.model.dir)
     train_examples, eval_examples = load_examples(config, tokenizer)
     optim = config.optim
     optimizer = MemoryEfficientAdamW(model.parameters(), lr=optim.learning_rate, betas=optim.betas, eps=optim.eps,
                                      weight_decay=optim.weight_decay, enabled=optim.memory_efficient_adamw)
+    optimizer_step = distributed.OptimizerStep(policy, optimizer, optim.max_grad_norm)
     is_main = distributed.is_main_process()
     run_logger = RunLogger(config.logging, config.run_name, config_lib.to_dict(config)) if is_main else None
     logger.info("SFT %s on %s: %d train / %d held-out pairs, logs in %s", config.run_name, device,
@@ -209,25 +209,25 @@ def train_sft(config: SFTConfig) -> dict:
     bar = tqdm(range(optim.num_steps), desc="sft", disable=not (config.progress and is_main))
     for step in bar:
         start = time.perf_counter()
-        model.train()
+        policy.train()
         indices = step_indices(step, optim.batch_size, len(train_examples), config.seed)
         batch = [train_examples[indices[i]] for i in distributed.shard_range(optim.batch_size)]
         batch.sort(key=lambda example: len(example[0]))  # similar lengths per micro-batch: less padding
         # Divided by the step's token count over all ranks, so the summed gradients are the single-process ones.
         num_tokens = distributed.global_sum(sum(len(ids) - prompt_length for ids, prompt_length in batch))
-        total_nll = 0.0
-        for start_index in range(0, len(batch), optim.micro_batch_size):
-            nll, _ = response_nll(model, batch[start_index : start_index + optim.micro_batch_size],
-                                  tokenizer.pad_token_id, optim.logprob_chunk_size)
-            (nll / num_tokens).backward()
-            total_nll += nll.item()
-        distributed.all_reduce_gradients(model)
-        total_nll = distributed.global_sum(total_nll)
+        # Summed on the device and read once per step: a host read per micro-batch stalls the device.
+        total_nll = torch.zeros((), dtype=torch.float64, device=device)
+        starts = range(0, len(batch), optim.micro_batch_size)
+        for start_index in starts:
+            with optimizer_step.micro_batch(last=start_index == starts[-1]):
+                nll, _ = response_nll(policy, batch[start_index : start_index + optim.micro_batch_size],
+                                      tokenizer.pad_token_id, optim.logprob_chunk_size)
+                (nll / num_tokens).backward()
+            total_nll += nll.detach().double()
+        total_nll = distributed.global_sum(total_nll.item())
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, optim)
-        grad_norm = distributed.clip_grad_norm_(model, optim.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        grad_norm = optimizer_step()
         seconds = time.perf_counter() - start
         if is_main:
             run_logger.scalars({"train/loss": total_nll / num_tokens, "train/grad_norm": grad_norm,

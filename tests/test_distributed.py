@@ -25,7 +25,7 @@ import tasks  # noqa: E402
 import train  # noqa: E402
 import train_sft  # noqa: E402
 from data_types import Episode  # noqa: E402
-from grpo import LossConfig, update_policy  # noqa: E402
+from grpo import LossConfig, compute_advantages, update_policy  # noqa: E402
 from qwen2_model import Transformer  # noqa: E402
 
 NUM_RANKS = 2
@@ -54,11 +54,15 @@ def group_episodes() -> list[list[Episode]]:
     return groups
 
 
-def sgd_update(model, episodes: list[Episode], aggregation: str) -> dict[str, float]:
+def sgd_update(model, episodes: list[Episode], aggregation: str, fsdp: bool = False) -> dict[str, float]:
+    """One update as train.py runs it: DDP (or FSDP) under torchrun, the plain model otherwise."""
+    policy = distributed.training_model(model, torch.device("cpu"), fsdp)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-    return update_policy(model, optimizer, episodes, LossConfig(aggregation=aggregation), micro_batch_size=2,
-                         max_grad_norm=MAX_GRAD_NORM[aggregation], pad_token_id=0, max_gen_len=16,
-                         logprob_chunk_size=4)
+    loss_config = LossConfig(aggregation=aggregation)
+    update = update_policy(policy, distributed.OptimizerStep(policy, optimizer, MAX_GRAD_NORM[aggregation]), episodes,
+                           compute_advantages(episodes, loss_config), train.global_counts(episodes), loss_config,
+                           train.OptimConfig(micro_batch_size=2, logprob_chunk_size=4), max_gen_len=16, pad_token_id=0)
+    return train.all_ranks_update_metrics(update)
 
 
 def digit_reward(response, item, end_token):
@@ -82,10 +86,8 @@ def rank_updates(model_dir: str, out_file: str) -> None:
     for mode, rank_groups in shares.items():
         for aggregation in MAX_GRAD_NORM:
             model = Transformer.from_pretrained(model_dir, dtype=torch.float32)
-            if mode == "fsdp":
-                distributed.shard_model(model, torch.device("cpu"))
             episodes = [episode for group in rank_groups[distributed.rank()] for episode in group]
-            metrics = sgd_update(model, episodes, aggregation)
+            metrics = sgd_update(model, episodes, aggregation, fsdp=mode == "fsdp")
             savable = distributed.savable_model(model)
             if distributed.is_main_process():
                 results[mode, aggregation] = ({name: p.detach().clone() for name, p in savable.named_parameters()},
@@ -183,7 +185,7 @@ def ranks_output(tmp_path_factory, tiny_model_dir, countdown_dir) -> Path:
 
 @pytest.mark.slow
 def test_two_rank_update_equals_single_process(ranks_output, tiny_model_dir):
-    """Data parallel (explicit gradient sum) and FSDP2 (fully_shard per block) both run on CPU with gloo."""
+    """Data parallel (DDP, summing gradients) and FSDP2 (fully_shard per block) both run on CPU with gloo."""
     results = torch.load(ranks_output / "updates.pt")
     initial = Transformer.from_pretrained(tiny_model_dir, dtype=torch.float32)
     all_episodes = [episode for group in group_episodes() for episode in group]
@@ -293,5 +295,4 @@ def test_single_process_helpers_are_identities(tiny_model_dir):
     assert distributed.global_sums({"tokens": 3, "loss": 0.5}) == {"tokens": 3, "loss": 0.5}
     assert distributed.all_gather("x") == ["x"]
     assert distributed.savable_model(model) is model and not distributed.is_sharded(model)
-    distributed.all_reduce_gradients(model)
-    assert all(param.grad is None for param in model.parameters())
+    assert distributed.training_model(model, torch.device("cpu"), fsdp=True) is model

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from data_types import Episode
-from grpo import LossConfig, compute_advantages, surrogate_token_losses, update_policy
+from distributed import OptimizerStep
+from grpo import LossConfig, compute_advantages, surrogate_token_losses, update_metrics, update_policy
 from qwen2_model import Transformer
+from train import OptimConfig
 
 PAD = 0
 LEARNING_RATE = 0.1
@@ -89,9 +91,11 @@ def hand_loss(model, episodes, advantages, weight_of, old_log_probs=None, clip_r
 def sgd_update(model, episodes, config, micro_batch_size, max_gen_len=16):
     model = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-    metrics = update_policy(model, optimizer, episodes, config, micro_batch_size, max_grad_norm=1e9,
-                            pad_token_id=PAD, max_gen_len=max_gen_len, logprob_chunk_size=4)
-    return model, metrics
+    counts = (len(episodes), sum(e.num_generated_tokens for e in episodes))
+    update = update_policy(model, OptimizerStep(model, optimizer, max_grad_norm=1e9), episodes,
+                           compute_advantages(episodes, config), counts, config,
+                           OptimConfig(micro_batch_size=micro_batch_size, logprob_chunk_size=4), max_gen_len, PAD)
+    return model, update_metrics(update) if update else {}
 
 
 def expected_sgd_update(model, loss_fn):

@@ -9,13 +9,14 @@ import pytest
 import torch
 
 import ablate
-import config as config_lib
 import tasks
 import train
 from config import ConfigError
 from data_types import Episode
+from distributed import OptimizerStep
 from grpo import (LossConfig, apply_overlong_penalty, compute_advantages, k3_kl, overlong_penalty,
-                  sample_informative_groups, surrogate_token_losses, update_policy)
+                  sample_informative_groups, surrogate_token_losses, update_metrics, update_policy)
+from train import OptimConfig
 from test_grpo import (TOKEN, assert_same_parameters, expected_sgd_update, per_token_log_probs, policy,  # noqa: F401
                        sample_episodes)
 from test_train import countdown_dir, digit_reward, read_scalars, tiny_config  # noqa: F401 (fixtures)
@@ -211,9 +212,11 @@ def test_k3_averaged_over_the_policy_is_the_exact_kl():
 def sgd_update(model, episodes, config, reference_model=None):
     model = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    metrics = update_policy(model, optimizer, episodes, config, micro_batch_size=2, max_grad_norm=1e9, pad_token_id=0,
-                            max_gen_len=16, logprob_chunk_size=4, reference_model=reference_model)
-    return model, metrics
+    counts = (len(episodes), sum(e.num_generated_tokens for e in episodes))
+    update = update_policy(model, OptimizerStep(model, optimizer, max_grad_norm=1e9), episodes,
+                           compute_advantages(episodes, config), counts, config,
+                           OptimConfig(micro_batch_size=2, logprob_chunk_size=4), 16, 0, reference_model=reference_model)
+    return model, update_metrics(update)
 
 
 def perturbed(model, scale=0.05):
