@@ -106,7 +106,8 @@ def rollout(
     return episodes
 
 
-def compute_advantages(episodes: list[Episode], config: LossConfig, batch_rewards: list[float] | None = None) -> list[float]:
+def compute_advantages(episodes: list[Episode], config: LossConfig,
+                       batch_rewards: list[float] | None = None) -> list[float]:
     """Per-episode advantage from its group (the answers to the same question).
 
     std_scope "batch" divides by the std of `batch_rewards` (default: these episodes' rewards; under
@@ -158,7 +159,8 @@ def surrogate_token_losses(log_probs, old_log_probs, advantages, config: LossCon
     """
     log_ratio = log_probs - old_log_probs
     if config.importance_sampling == "sequence":
-        log_ratio = ((log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)).expand_as(log_ratio)
+        mean_log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+        log_ratio = mean_log_ratio.expand_as(log_ratio)
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
     if config.clip == "none":
@@ -343,5 +345,6 @@ def sample_informative_groups(
     if len(kept) < num_groups:
         logger.warning("dynamic sampling: %d of %d groups with different rewards after %d rounds; training on those",
                        len(kept), num_groups, rounds)
-    renumbered = [dataclasses.replace(e, question_index=index) for index, group in enumerate(kept[:num_groups]) for e in group]
+    renumbered = [dataclasses.replace(episode, question_index=index)
+                  for index, group in enumerate(kept[:num_groups]) for episode in group]
     return renumbered, sampled, rounds

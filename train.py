@@ -116,7 +116,8 @@ class TrainConfig:
             raise config_lib.ConfigError("distributed.fsdp needs the same rollouts on every rank; "
                                          "set rollout.dynamic_sampling: false")
         if self.distributed.fsdp and self.loss.kl_beta:
-            raise config_lib.ConfigError("loss.kl_beta > 0 (a reference model) is not supported with distributed.fsdp yet")
+            raise config_lib.ConfigError("loss.kl_beta > 0 (a reference model) is not supported with distributed.fsdp "
+                                         "yet; set loss.kl_beta: 0")
 
     @property
     def questions_per_step(self) -> int:
@@ -323,7 +324,8 @@ def sample_step(sample_round, config: TrainConfig) -> tuple[list[Episode], list[
         episodes = sample_round(0)
         return episodes, episodes, {}
     questions = config.questions_per_step // distributed.world_size()
-    kept, episodes, rounds = sample_informative_groups(sample_round, questions, config.rollout.dynamic_sampling_max_rounds)
+    max_rounds = config.rollout.dynamic_sampling_max_rounds
+    kept, episodes, rounds = sample_informative_groups(sample_round, questions, max_rounds)
     return episodes, kept, {
         "train/dynamic_sampling_rounds": distributed.global_max(rounds),
         "train/questions_sampled": distributed.global_sum(len(episodes)) / config.rollout.num_answers_per_question,
@@ -378,7 +380,8 @@ def all_ranks_update_metrics(update: dict) -> dict[str, float]:
     """update_metrics over every rank's update_policy sums (empty if the update was skipped)."""
     if not update:
         return {}
-    return update_metrics({**update, **distributed.global_sums({key: update[key] for key in UPDATE_SUMS if key in update}),
+    sums = {key: update[key] for key in UPDATE_SUMS if key in update}  # kl_sum only with a KL term
+    return update_metrics({**update, **distributed.global_sums(sums),
                            "ratio_max": distributed.global_max(update["ratio_max"])})
 
 
