@@ -43,7 +43,7 @@ class LossConfig:
     importance_sampling: Literal["token", "sequence"] = "token"  # sequence: GSPO's per-sequence ratio
     std_scope: Literal["group", "batch"] = "group"  # whose reward std divides the advantages
     overlong_buffer_fraction: float = 0.0  # DAPO's soft overlong penalty ramps over this last part of max_gen_len
-    overlong_penalty: float = 1.0  # the reward taken off an answer of max_gen_len tokens
+    overlong_penalty_factor: float = 1.0  # the reward taken off an answer of max_gen_len tokens
     kl_beta: float = 0.0  # weight of the k3 KL to the frozen initial policy; 0: no reference model
 
     def validate(self) -> None:
@@ -58,8 +58,8 @@ class LossConfig:
                 raise ConfigError("loss.clip_range_high needs loss.clip: ppo (without clipping it does nothing)")
         if not 0 <= self.overlong_buffer_fraction < 1:
             raise ConfigError(f"loss.overlong_buffer_fraction must be in [0, 1), got {self.overlong_buffer_fraction}")
-        if self.overlong_penalty <= 0:
-            raise ConfigError(f"loss.overlong_penalty must be > 0, got {self.overlong_penalty}")
+        if self.overlong_penalty_factor <= 0:
+            raise ConfigError(f"loss.overlong_penalty_factor must be > 0, got {self.overlong_penalty_factor}")
         if self.kl_beta < 0:
             raise ConfigError(f"loss.kl_beta must be >= 0 (0: no KL term), got {self.kl_beta}")
 
@@ -305,11 +305,11 @@ def k3_kl(log_probs: torch.Tensor, reference_log_probs: torch.Tensor) -> torch.T
 
 def overlong_penalty(num_tokens: int, max_gen_len: int, config: LossConfig) -> float:
     """DAPO's soft overlong punishment: 0 up to the last L = fraction x max_gen_len tokens, then a
-    linear ramp that reaches config.overlong_penalty at max_gen_len."""
+    linear ramp that reaches config.overlong_penalty_factor at max_gen_len."""
     buffer = round(config.overlong_buffer_fraction * max_gen_len)
     if buffer == 0:
         return 0.0
-    return config.overlong_penalty * min(max(num_tokens - (max_gen_len - buffer), 0) / buffer, 1.0)
+    return config.overlong_penalty_factor * min(max(num_tokens - (max_gen_len - buffer), 0) / buffer, 1.0)
 
 
 def apply_overlong_penalty(episodes: list[Episode], max_gen_len: int, config: LossConfig) -> list[Episode]:

@@ -28,7 +28,7 @@ PRESETS = {
     "batch_std": {"loss.std_scope": "batch"},
     "dapo": {"rollout.dynamic_sampling": True, "rollout.dynamic_sampling_max_rounds": 3, "loss.aggregation": "token",
              "loss.epochs_per_rollout": 2, "loss.clip": "ppo", "loss.clip_range": 0.2, "loss.clip_range_high": 0.28,
-             "loss.overlong_buffer_fraction": 0.2, "loss.overlong_penalty": 1.0},
+             "loss.overlong_buffer_fraction": 0.2, "loss.overlong_penalty_factor": 1.0},
     "dr_grpo": {"loss.std_normalization": False, "loss.aggregation": "constant", "loss.aggregation_constant": None},
     "grpo_kl": {"loss.kl_beta": 0.04},
     "gspo": {"loss.importance_sampling": "sequence", "loss.aggregation": "sequence", "loss.epochs_per_rollout": 2,
@@ -168,7 +168,7 @@ def test_batch_std_keeps_all_equal_groups_at_zero():
 def test_overlong_penalty_ramps_linearly_over_the_last_tokens(num_tokens, penalty):
     config = LossConfig(overlong_buffer_fraction=0.25)  # L = 16 of max_gen_len 64: the ramp starts after token 48
     assert overlong_penalty(num_tokens, 64, config) == pytest.approx(penalty)
-    half = LossConfig(overlong_buffer_fraction=0.25, overlong_penalty=0.5)
+    half = LossConfig(overlong_buffer_fraction=0.25, overlong_penalty_factor=0.5)
     assert overlong_penalty(num_tokens, 64, half) == pytest.approx(penalty / 2)
     assert overlong_penalty(num_tokens, 64, LossConfig()) == 0.0
 
@@ -331,7 +331,7 @@ def test_dynamic_sampling_cap_trains_on_what_it_has(caplog):
     ({"clip_range_high": 0.28}, "loss.clip: ppo"),
     ({"overlong_buffer_fraction": -0.1}, "loss.overlong_buffer_fraction"),
     ({"overlong_buffer_fraction": 1.0}, "loss.overlong_buffer_fraction"),
-    ({"overlong_penalty": 0.0}, "loss.overlong_penalty"),
+    ({"overlong_penalty_factor": 0.0}, "loss.overlong_penalty_factor"),
     ({"kl_beta": -0.01}, "loss.kl_beta"),
     ({"epochs_per_rollout": 0}, "loss.epochs_per_rollout"),
 ])
