@@ -3,7 +3,8 @@
 Default behaviour is GRPO:Zero's: group-mean baseline, std normalisation, a token-level loss (every
 generated token in the batch weighs the same), no KL term and no reference model. The variants of
 the second design document (no baseline, no std, sequence or constant length normalisation,
-K epochs per rollout with or without PPO clipping) are switches in `LossConfig`.
+K epochs per rollout with or without PPO clipping) are switches in `LossConfig`, and so are the ones
+that followed DeepSeek-R1 (DAPO, Dr. GRPO, GSPO, a KL penalty to a frozen reference; docs/variants.md).
 """
 
 import dataclasses
