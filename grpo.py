@@ -32,7 +32,8 @@ RewardForItem = Callable[[str, dict, str | None], dict]
 @dataclass
 class LossConfig:
     baseline: Literal["group_mean", "none"] = "group_mean"  # "none": REINFORCE on raw rewards
-    std_normalization: bool = True  # divide by the group's reward std (population std)
+    std_normalization: bool = True  # divide by the group's reward std
+    std_estimator: Literal["population", "sample"] = "population"  # divide by G (GRPO:Zero) or G - 1 (torch.std)
     advantage_eps: float = 1e-4  # added to the std so all-equal groups give 0, never NaN
     aggregation: Literal["token", "sequence", "constant"] = "token"
     aggregation_constant: int | None = None  # tokens per sequence for "constant"; null = max_gen_len
@@ -120,7 +121,7 @@ def compute_advantages(episodes: list[Episode], config: LossConfig,
     advantages = [0.0] * len(episodes)
     if config.std_normalization and config.std_scope == "batch":
         batch_rewards = [e.reward for e in episodes] if batch_rewards is None else batch_rewards
-        batch_std = torch.tensor(batch_rewards, dtype=torch.float64).std(correction=0)
+        batch_std = reward_std(torch.tensor(batch_rewards, dtype=torch.float64), config.std_estimator)
     for members in groups.values():
         rewards = torch.tensor([episodes[i].reward for i in members], dtype=torch.float64)
         centered = rewards
@@ -128,11 +129,17 @@ def compute_advantages(episodes: list[Episode], config: LossConfig,
             # Equal rewards can leave 1e-17 residues after subtracting their mean; they must give exactly 0.
             centered = rewards - rewards.mean() if rewards.max() > rewards.min() else torch.zeros_like(rewards)
         if config.std_normalization:
-            std = rewards.std(correction=0) if config.std_scope == "group" else batch_std
+            std = reward_std(rewards, config.std_estimator) if config.std_scope == "group" else batch_std
             centered = centered / (std + config.advantage_eps)
         for i, value in zip(members, centered.tolist()):
             advantages[i] = value
     return advantages
+
+
+def reward_std(rewards: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Population (divide by n) or sample (n - 1) std. One reward has no sample std; it gets the
+    population std, 0, like any zero-spread group."""
+    return rewards.std(correction=1 if estimator == "sample" and len(rewards) > 1 else 0)
 
 
 def episode_loss_weights(episodes: list[Episode], config: LossConfig, num_sequences: int, num_tokens: int,

@@ -35,7 +35,10 @@ DOWNLOAD_HINT = (
 
 
 def load_gsm8k_rows(data_dir: str | Path, split: str) -> list[dict[str, str]]:
-    """Rows {"question", "answer"} of one split, from <split>.jsonl or the Hub's main/<split>-*.parquet."""
+    """Rows {"question", "answer"} of one split, from <split>.jsonl or the Hub's main/<split>-*.parquet.
+
+    Every row is checked before training starts: a bad row is an error naming its file and line (or row).
+    """
     data_dir = Path(data_dir)
     expected = f"{split}.jsonl or main/{split}-00000-of-00001.parquet"
     if not data_dir.is_dir():
@@ -43,19 +46,53 @@ def load_gsm8k_rows(data_dir: str | Path, split: str) -> list[dict[str, str]]:
     jsonl_path = data_dir / f"{split}.jsonl"
     parquet_paths = sorted((data_dir / "main").glob(f"{split}-*.parquet"))
     if jsonl_path.is_file():
-        with jsonl_path.open(encoding="utf-8") as jsonl_file:
-            rows = [json.loads(line) for line in jsonl_file if line.strip()]
+        located_rows = _read_jsonl_rows(jsonl_path)
     elif parquet_paths:
-        rows = [row for path in parquet_paths for row in _read_parquet_rows(path)]
+        located_rows = [
+            (f"{path} row {index}", row) for path in parquet_paths for index, row in enumerate(_read_parquet_rows(path))
+        ]
     else:
         raise FileNotFoundError(f"GSM8K directory {data_dir} has neither {expected}; {DOWNLOAD_HINT}")
-    for index, row in enumerate(rows):
-        if not isinstance(row.get("question"), str) or GOLD_ANSWER_MARKER not in str(row.get("answer")):
-            raise ValueError(
-                f"GSM8K {split} row {index} in {data_dir} is not {{'question': str, 'answer': '... #### <answer>'}}: "
-                f"{str(row)[:200]}; point --data at the 'main' GSM8K configuration"
-            )
-    return rows
+    if not located_rows:
+        raise ValueError(f"GSM8K {split} split in {data_dir} has no rows; {DOWNLOAD_HINT}")
+    for where, row in located_rows:
+        _check_row(row, where)
+    return [row for _, row in located_rows]
+
+
+def _read_jsonl_rows(path: Path) -> list[tuple[str, object]]:
+    """("<path>:<line>", value) for each non-blank line; a byte-order mark at the start is allowed."""
+    located_rows = []
+    try:
+        with path.open(encoding="utf-8-sig") as jsonl_file:
+            for line_number, line in enumerate(jsonl_file, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    located_rows.append((f"{path}:{line_number}", json.loads(line)))
+                except json.JSONDecodeError as error:
+                    raise ValueError(
+                        f"{path}:{line_number}: not valid JSON ({error.msg} at column {error.colno}); "
+                        "each line must be one object {'question': ..., 'answer': ...}"
+                    ) from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path} is not UTF-8 text ({error}); GSM8K's JSONL files are UTF-8") from None
+    return located_rows
+
+
+def _check_row(row: object, where: str) -> None:
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object {{'question': ..., 'answer': ...}}, got {str(row)[:100]}")
+    if not isinstance(row.get("question"), str) or not isinstance(row.get("answer"), str) or (
+        GOLD_ANSWER_MARKER not in row["answer"]
+    ):
+        raise ValueError(
+            f"{where}: not {{'question': str, 'answer': '... #### <answer>'}}: {str(row)[:200]}; "
+            "point --data at the 'main' GSM8K configuration"
+        )
+    gold = extract_gold_answer(row["answer"])
+    if parse_answer(gold) is None:
+        raise ValueError(f"{where}: the gold answer {gold[:100]!r} after '####' is not a number; no answer can match it")
 
 
 def _read_parquet_rows(path: Path) -> list[dict[str, str]]:
@@ -129,31 +166,57 @@ class GSM8KDataset(torch.utils.data.Dataset):
 
 
 # ----------------------------------------------------------------------------
-# answer grading: numbers and + - * / ^ ( ) \frac, evaluated as exact rationals
+# answer grading: the one number (or simple expression) in a short answer, read as an exact rational
+#
+# A model writes "The answer is $\boxed{1\,234}$ dollars." or "x = 18" or "1 1/2 cups". The text is
+# normalized (last \boxed{...} only, LaTeX to plain operators, text after the last "="), cut into
+# tokens, and must be prose words, then one expression, then prose words. Words that change the
+# value ("18 squared", "18 or more", "more than 18") or a second number make it unreadable.
 
 MAX_ANSWER_CHARS = 256  # far above any GSM8K answer; bounds the parser's time
 MAX_NESTING_DEPTH = 32  # parentheses, \frac and ^ chains; keeps recursion far from Python's limit
 MAX_POWER_BITS = 4096  # refuse 9^9^9-style answers before computing them
+MAX_DECIMAL_EXPONENT = 1000  # 1e1000 has ~3,300 bits, within MAX_POWER_BITS
 
-TEXT_COMMAND = re.compile(r"\\(?:text|textrm|textbf|mathrm|mbox)\s*\{([^{}]*)\}")
+BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+TEXT_COMMAND = re.compile(r"\\(?:text|textrm|textbf|textit|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
+MARKDOWN_BOLD = re.compile(r"(?<![\w)])\*\*(?=[^\s*])(.+?)(?<=[^\s*])\*\*(?![\w(])")
 LATEX_REPLACEMENTS = (
-    ("\\(", ""), ("\\)", ""), ("\\[", ""), ("\\]", ""),
-    ("\\left", ""), ("\\right", ""), ("\\boxed", ""), ("\\fbox", ""),
+    ("\\(", ""), ("\\)", ""), ("\\[", ""), ("\\]", ""), ("\\left", ""), ("\\right", ""),
     ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
     ("\\times", "*"), ("\\cdot", "*"), ("\\div", "/"), ("\u00d7", "*"), ("\u00f7", "/"), ("\u2212", "-"),
-    ("{,}", ","), ("\\,", ""), ("\\!", ""), ("\\;", ""), ("\\ ", " "), ("~", " "),
+    ("{,}", ","), ("\\,", " "), ("\\!", ""), ("\\;", " "), ("\\ ", " "), ("~", " "), ("\\qquad", " "),
+    ("\\quad", " "), ("\u00a0", " "), ("\u2009", " "), ("\u202f", " "),  # no-break and thin spaces
     ("\\$", ""), ("$", ""), ("\\%", "%"),
 )  # fmt: skip
-ANSWER_TOKEN = re.compile(
-    r"\s*(\d{1,3}(?:,\d{3})+(?:\.\d*)?|\d+(?:\.\d*)?|\.\d+|\*\*|[-+*/^(){}%]|\\frac|[A-Za-z]+)",
-    re.ASCII,
+# TeX reads one digit per argument of a brace-less \frac: \frac12 is 1/2 and \frac123 is (1/2)3.
+BARE_FRACTION_ARGUMENTS = (
+    (re.compile(r"\\frac\s*(\d)\s*(\d)"), r"\\frac{\1}{\2}"),
+    (re.compile(r"\\frac\s*(\d)\s*\{"), r"\\frac{\1}{"),
+    (re.compile(r"\\frac\s*(\{[^{}]*\})\s*(\d)"), r"\\frac\1{\2}"),
 )
-# A unit after the number is dropped ("18 dollars"), unless it changes the value or adds a second number.
+STANDALONE_EQUALS = re.compile(r"(?<![<>!=])=(?!=)")  # not part of <=, >=, !=, ==
+EXPONENT = r"(?:[eE][-+]?\d+)?"
+NUMBER = (  # thousands groups of exactly three, separated by commas or by spaces
+    rf"(?:\d{{1,3}}(?:,\d{{3}})+|\d{{1,3}}(?: \d{{3}})+(?!\d)|\d+)(?:\.\d*)?{EXPONENT}|\.\d+{EXPONENT}"
+)
+PROSE_PUNCTUATION = frozenset(".,:;?#'\"\u2019")  # '#': "#### 18", GSM8K's own answer line
+ANSWER_TOKEN = re.compile(
+    rf"\s*({NUMBER}|\*\*|[-+*/^(){{}}%]|\\frac|[A-Za-z]+|[{re.escape(''.join(PROSE_PUNCTUATION))}])", re.ASCII
+)
+INTEGER_LITERAL = re.compile(r"[\d, ]+")
+# Words that change the value of the number next to them, or say it is a bound or one of several.
 VALUE_WORDS = frozenset(
     "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
     "seventeen eighteen nineteen twenty thirty forty fifty sixty seventy eighty ninety hundred hundreds "
     "thousand thousands million millions billion billions trillion trillions dozen dozens half halves "
-    "third thirds quarter quarters k m b mn bn".split()
+    "third thirds quarter quarters fourth fourths fifth fifths tenth tenths hundredth hundredths thousandth "
+    "thousandths millionth millionths twice double triple thrice grand k m b mn bn lakh lakhs crore crores "
+    "squared cubed sqrt root roots power powers factorial pi x or nor not least most minus negative plus".split()
+)
+BOUND_WORDS = frozenset(  # only before the number: "more than 18" is a bound, "18 more apples" a count
+    "more less fewer greater smaller larger bigger higher lower over under above below than exceeding "
+    "exceeds beyond within".split()
 )
 
 
@@ -162,17 +225,20 @@ class _Unparseable(Exception):
 
 
 def parse_answer(text: str) -> Rational | None:
-    """The exact value of an answer, or None when it is not a number or simple expression (never raises)."""
+    """The exact value of an answer, or None when it does not state exactly one value (never raises)."""
     if len(text) > MAX_ANSWER_CHARS:
+        return None
+    if BOXED.search(text) and (text := _last_boxed(text)) is None:
         return None
     tokens = _tokenize(_normalize(text))
     if not tokens:
         return None
+    start = next((i for i, token in enumerate(tokens) if not _is_prose(token)), len(tokens))
     try:
-        value, position = _parse_sum(tokens, 0, 0)
+        value, end = _parse_sum(tokens, start, 0)
     except _Unparseable:
         return None
-    if all(token == "%" or (token.isalpha() and token.lower() not in VALUE_WORDS) for token in tokens[position:]):
+    if _plain_prose(tokens[:start], VALUE_WORDS | BOUND_WORDS) and _plain_prose(tokens[end:], VALUE_WORDS):
         return value
     return None
 
@@ -182,11 +248,24 @@ def answers_match(predicted: str, gold: str) -> bool:
     return predicted_value is not None and predicted_value == parse_answer(gold)
 
 
+def _last_boxed(text: str) -> str | None:
+    """The contents of the last \\boxed{...}, or None when its brace is never closed."""
+    *_, last = BOXED.finditer(text)
+    depth = 1
+    for index in range(last.end(), len(text)):
+        depth += {"{": 1, "}": -1}.get(text[index], 0)
+        if depth == 0:
+            return text[last.end() : index]
+    return None
+
+
 def _normalize(text: str) -> str:
-    text = TEXT_COMMAND.sub(r" \1 ", text)
+    text = MARKDOWN_BOLD.sub(r"\1", TEXT_COMMAND.sub(r" \1 ", text))
     for latex, plain in LATEX_REPLACEMENTS:
         text = text.replace(latex, plain)
-    return text.strip().removesuffix(".")  # a sentence's full stop, as in "18 dollars."
+    for pattern, braced in BARE_FRACTION_ARGUMENTS:
+        text = pattern.sub(braced, text)
+    return STANDALONE_EQUALS.split(text)[-1].strip()  # "x = 18", "9 * 2 = 18 dollars": the last right-hand side
 
 
 def _tokenize(text: str) -> list[str] | None:
@@ -195,6 +274,26 @@ def _tokenize(text: str) -> list[str] | None:
         tokens.append(match.group(1))
         position = match.end()
     return tokens if text[position:].strip() == "" else None
+
+
+def _is_prose(token: str) -> bool:
+    return token.isalpha() or token in PROSE_PUNCTUATION
+
+
+def _is_number(token: str) -> bool:
+    return token[:1].isdigit() or (token[:1] == "." and len(token) > 1)
+
+
+def _plain_prose(tokens: list[str], forbidden_words: frozenset[str]) -> bool:
+    """Words, punctuation, %, per-unit slashes (km/h) and balanced parentheses; no number, no value-changing word."""
+    depth = 0
+    for index, token in enumerate(tokens):
+        depth += {"(": 1, ")": -1}.get(token, 0)
+        neighbours = tokens[index - 1 : index + 2] if index > 0 else []
+        unit_slash = token == "/" and len(neighbours) == 3 and neighbours[0].isalpha() and neighbours[2].isalpha()
+        if depth < 0 or not (_is_prose(token) or token in "()%" or unit_slash) or token.lower() in forbidden_words:
+            return False
+    return depth == 0
 
 
 def _peek(tokens: list[str], position: int) -> str:
@@ -242,9 +341,10 @@ def _parse_atom(tokens: list[str], position: int, depth: int) -> tuple[Rational,
     if depth > MAX_NESTING_DEPTH:
         raise _Unparseable
     token = _peek(tokens, position)
-    if token[:1].isdigit() or token[:1] == ".":
-        whole, _, fraction = token.replace(",", "").partition(".")
-        return Rational(int(whole + fraction), 10 ** len(fraction)), position + 1
+    if _is_number(token):
+        value = _number_value(token)
+        fraction = _proper_fraction(tokens, position + 1) if INTEGER_LITERAL.fullmatch(token) else None
+        return (value + fraction[0], fraction[1]) if fraction else (value, position + 1)  # mixed: 1 1/2
     if token == "\\frac":
         numerator, position = _parse_atom(tokens, position + 1, depth + 1)
         denominator, position = _parse_atom(tokens, position, depth + 1)
@@ -255,6 +355,31 @@ def _parse_atom(tokens: list[str], position: int, depth: int) -> tuple[Rational,
             raise _Unparseable
         return value, position + 1
     raise _Unparseable
+
+
+def _number_value(token: str) -> Rational:
+    mantissa, _, exponent = token.replace(",", "").replace(" ", "").lower().partition("e")
+    whole, _, fraction = mantissa.partition(".")
+    value = Rational(int(whole + fraction), 10 ** len(fraction))
+    if exponent and abs(int(exponent)) > MAX_DECIMAL_EXPONENT:
+        raise _Unparseable
+    return value * Rational(10) ** int(exponent) if exponent else value
+
+
+def _proper_fraction(tokens: list[str], position: int) -> tuple[Rational, int] | None:
+    """The fraction part of a mixed number at `position` ("1/2" or "\\frac{1}{2}", 0 < value < 1), and its end."""
+    shapes = (["#", "/", "#"], ["\\frac", "{", "#", "}", "{", "#", "}"])
+    for shape in shapes:
+        window = tokens[position : position + len(shape)]
+        if len(window) == len(shape) and all(
+            INTEGER_LITERAL.fullmatch(token) if expected == "#" else token == expected
+            for token, expected in zip(window, shape)
+        ):
+            numerator, denominator = (int(re.sub("[, ]", "", token)) for token in window if token[0].isdigit())
+            end = position + len(shape)
+            if 0 < numerator < denominator and _peek(tokens, end) not in ("^", "**"):
+                return Rational(numerator, denominator), end
+    return None
 
 
 def _divide(numerator: Rational, denominator: Rational) -> Rational:

@@ -1,12 +1,18 @@
-"""Qwen2 / Qwen2.5 decoder in plain PyTorch, loading Hugging Face checkpoints directly.
+"""Qwen2 / Qwen2.5, Qwen3 and Llama-family decoders in plain PyTorch, loading Hugging Face checkpoints directly.
 
-Module and parameter names mirror the Hugging Face layout (minus the leading
-"model." prefix) so loading and saving are a plain state-dict copy.
+The three are one model with small switches (see ModelConfig): Qwen2 has q/k/v biases; Qwen3 has
+none and RMS-normalises each query and key head before RoPE; Llama has biases only where its config
+asks for them, and may stretch RoPE for long contexts ("llama3" scaling). Anything else a config.json
+asks for that changes the math is refused by name rather than ignored (see `unsupported_settings`).
+
+Module and parameter names mirror the Hugging Face layout (minus the leading "model." prefix) so
+loading and saving are a plain state-dict copy.
 """
 
 import json
+import logging
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,11 +24,95 @@ from torch.utils.checkpoint import checkpoint
 
 from logprobs import chunked_token_log_probs
 
+logger = logging.getLogger(__name__)
+
+
 def download_hint(model_dir: Path) -> str:
     # A directory named like a Hub model (Qwen2.5-Math-1.5B, ...) gets that model's clone command.
     name = model_dir.name if model_dir.name.startswith("Qwen") else "Qwen2.5-3B-Instruct"
     return f"Download a Qwen2.5 checkpoint first, e.g.\n  git lfs install && git clone https://huggingface.co/Qwen/{name} {model_dir}"
-SUPPORTED_MODEL_TYPES = ("qwen2",)
+
+
+# model_type -> the transformers class whose math (and config defaults) each architecture follows.
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+# What transformers assumes for a key that config.json leaves out (its config classes' defaults).
+HF_DEFAULTS = {
+    "qwen2": dict(num_key_value_heads=32, max_position_embeddings=32768),
+    "qwen3": dict(num_key_value_heads=32, max_position_embeddings=32768, head_dim=128),
+    "llama": dict(max_position_embeddings=2048),
+}
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# Keys read below, and keys that change nothing in the forward pass (token ids, bookkeeping, init).
+READ_KEYS = {
+    *REQUIRED_KEYS, "model_type", "num_key_value_heads", "max_position_embeddings", "head_dim", "rms_norm_eps",
+    "tie_word_embeddings", "hidden_act", "attention_bias", "mlp_bias", "attention_dropout", "rope_theta",
+    "rope_scaling", "rope_parameters", "partial_rotary_factor", "original_max_position_embeddings",
+    "use_sliding_window", "sliding_window", "max_window_layers", "layer_types", "quantization_config",
+}
+NO_MATH_KEYS = {
+    "architectures", "transformers_version", "torch_dtype", "dtype", "bos_token_id", "eos_token_id", "pad_token_id",
+    "use_cache", "initializer_range", "pretraining_tp", "_name_or_path", "return_dict", "output_attentions",
+    "output_hidden_states", "generation_config",
+}
+
+
+def rope_settings(hf_config: dict) -> dict:
+    """The RoPE dict as transformers reads it: legacy `rope_scaling` + top-level `rope_theta`
+    (transformers < 5) or `rope_parameters` (transformers >= 5, theta inside)."""
+    rope = dict(hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {})
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    rope.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
+    if "original_max_position_embeddings" in hf_config:  # a top-level value wins, as in transformers
+        rope["original_max_position_embeddings"] = hf_config["original_max_position_embeddings"]
+    if rope["rope_type"] == "llama3":
+        default_max = HF_DEFAULTS[hf_config["model_type"]]["max_position_embeddings"]
+        rope.setdefault("original_max_position_embeddings", hf_config.get("max_position_embeddings", default_max))
+    return rope
+
+
+def sliding_window_layers(hf_config: dict) -> list[int]:
+    """Layers that transformers' Qwen2/Qwen3 run with sliding-window attention."""
+    if hf_config["model_type"] == "llama" or not hf_config.get("use_sliding_window") or not hf_config.get("sliding_window"):
+        return []
+    num_layers = hf_config.get("num_hidden_layers", 0)
+    layer_types = hf_config.get("layer_types") or [
+        "sliding_attention" if i >= hf_config.get("max_window_layers", 28) else "full_attention" for i in range(num_layers)
+    ]
+    return [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+
+
+def unsupported_settings(hf_config: dict) -> list[str]:
+    """One line per config.json setting that would change the math and is not implemented here."""
+    problems = [f"{key} is missing" for key in REQUIRED_KEYS if key not in hf_config]
+    if hf_config.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={hf_config['hidden_act']!r}: only SiLU (SwiGLU) MLPs are implemented")
+    if hf_config.get("quantization_config"):
+        problems.append("quantization_config: quantized weights are not supported; use the bf16/fp32 checkpoint")
+    if hf_config.get("attention_dropout", 0.0):
+        problems.append(f"attention_dropout={hf_config['attention_dropout']}: dropout is not implemented; set it to 0.0")
+    if sliding := sliding_window_layers(hf_config):
+        problems.append(
+            f"use_sliding_window=true (window {hf_config['sliding_window']} on layers {sliding[0]}..{sliding[-1]}): "
+            "sliding-window attention is not implemented; set use_sliding_window to false if your sequences are "
+            "shorter than sliding_window (the math is then the same)"
+        )
+    layer_types = set(hf_config.get("layer_types") or ())
+    if layer_types & set(hf_config.get("rope_parameters") or {}):
+        problems.append("rope_parameters given per layer type: only one RoPE for all layers is implemented")
+        return problems
+    rope = rope_settings(hf_config)
+    if rope["rope_type"] not in SUPPORTED_ROPE_TYPES:
+        source = "rope_scaling" if hf_config.get("rope_scaling") else "rope_parameters"
+        problems.append(f"{source} has rope_type={rope['rope_type']!r}: only {SUPPORTED_ROPE_TYPES} are implemented")
+    if rope.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0)) != 1.0:
+        problems.append("partial_rotary_factor: only rotating the whole head (1.0) is implemented")
+    if rope["rope_type"] == "llama3":
+        if missing := [key for key in LLAMA3_ROPE_KEYS if key not in rope]:
+            problems.append(f"llama3 rope scaling lacks {missing}")
+    return problems
 
 
 @dataclass
@@ -37,10 +127,17 @@ class ModelConfig:
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 32768
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    qkv_bias: bool = True  # Qwen2: always; Qwen3, Llama: attention_bias
+    o_bias: bool = False  # Qwen3, Llama: attention_bias
+    mlp_bias: bool = False  # Llama: mlp_bias
+    qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before RoPE
+    # "llama3" scaling: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings.
+    rope_llama3: dict | None = None
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
 
     @classmethod
     def from_hf_dict(cls, hf_config: dict) -> "ModelConfig":
@@ -48,17 +145,33 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"config.json has model_type={model_type!r}; this repo implements {SUPPORTED_MODEL_TYPES} "
-                "(Qwen2 and Qwen2.5 checkpoints). Point model_dir at a Qwen2.5 model."
+                "(Qwen2/Qwen2.5, Qwen3 and Llama-family checkpoints). Point model_dir at one of those."
             )
-        rope_scaling = hf_config.get("rope_scaling") or {}
-        if rope_scaling.get("rope_type", rope_scaling.get("type", "default")) != "default":
-            raise ValueError(f"rope_scaling {rope_scaling} is not supported; remove it from config.json.")
-        values = {f.name: hf_config[f.name] for f in fields(cls) if f.name in hf_config}
-        # transformers >= 5 writes rope_theta inside rope_parameters.
-        if "rope_theta" not in values and "rope_parameters" in hf_config:
-            values["rope_theta"] = hf_config["rope_parameters"]["rope_theta"]
-        values.setdefault("num_key_value_heads", hf_config["num_attention_heads"])
-        return cls(**values)
+        if problems := unsupported_settings(hf_config):
+            raise ValueError(
+                f"config.json ({model_type}) asks for what this repo does not implement, so the model would not "
+                "compute what it was trained to:\n  " + "\n  ".join(problems)
+            )
+        if unknown := sorted(hf_config.keys() - READ_KEYS - NO_MATH_KEYS):
+            logger.warning("config.json keys not read here (transformers' %s does not read them either): %s",
+                           ARCHITECTURES[model_type], ", ".join(unknown))
+        values = HF_DEFAULTS[model_type] | {key: value for key, value in hf_config.items() if value is not None}
+        rope = rope_settings(hf_config)
+        biased = values.get("attention_bias", False)
+        return cls(
+            **{key: values[key] for key in REQUIRED_KEYS},
+            num_key_value_heads=values.get("num_key_value_heads", values["num_attention_heads"]),
+            rms_norm_eps=values.get("rms_norm_eps", 1e-6),
+            rope_theta=rope["rope_theta"],
+            tie_word_embeddings=values.get("tie_word_embeddings", False),
+            max_position_embeddings=values["max_position_embeddings"],
+            head_dim=values.get("head_dim"),
+            qkv_bias=model_type == "qwen2" or biased,
+            o_bias=model_type != "qwen2" and biased,
+            mlp_bias=model_type == "llama" and values.get("mlp_bias", False),
+            qk_norm=model_type == "qwen3",
+            rope_llama3={key: rope[key] for key in LLAMA3_ROPE_KEYS} if rope["rope_type"] == "llama3" else None,
+        )
 
 
 class RMSNorm(nn.Module):
@@ -74,10 +187,24 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+def rope_inverse_frequencies(config: "ModelConfig", device) -> torch.Tensor:
+    """RoPE's rotation speed per pair of dimensions [head_dim / 2], float32."""
+    exponents = torch.arange(0, config.head_dim, 2, device=device, dtype=torch.float32) / config.head_dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    if config.rope_llama3 is None:
+        return inv_freq
+    # Llama 3.1's long-context scaling: slow (long-wavelength) rotations are divided by `factor`, fast
+    # ones kept, and those in between blended linearly in (original context / wavelength).
+    scaling = config.rope_llama3
+    context, low, high = scaling["original_max_position_embeddings"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    wavelength = 2 * math.pi / inv_freq
+    blend = (context / wavelength - low) / (high - low)
+    blend = torch.where(wavelength < context / high, 1.0, torch.where(wavelength > context / low, 0.0, blend))
+    return blend * inv_freq + (1 - blend) * inv_freq / scaling["factor"]
+
+
+def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
     """cos/sin tables of shape [batch, seq, head_dim] for integer positions [batch, seq]."""
-    exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
-    inv_freq = 1.0 / (theta**exponents)
     angles = positions.float()[..., None] * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -121,17 +248,23 @@ class Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=True)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
 
     def forward(self, x, cos, sin, layer_cache=None, positions=None, mask=None):
         batch, seq, _ = x.shape
-        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
-        q = apply_rotary(q, cos, sin)
+        if self.qk_norm:  # per head, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q.transpose(1, 2), cos, sin)
         k = apply_rotary(k.transpose(1, 2), cos, sin).transpose(1, 2)
         if layer_cache is None:
             out = F.scaled_dot_product_attention(
@@ -151,9 +284,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -204,7 +337,7 @@ class Transformer(nn.Module):
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
         x = self.embed_tokens(tokens)
-        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        cos, sin = rotary_cos_sin(positions, rope_inverse_frequencies(self.config, x.device), x.dtype)
         if kv_cache is not None:
             # Attend over the whole buffer with a per-row causal mask: static shapes (CUDA-graph friendly),
             # and slots beyond a row's position (padding, other rows' lengths) are never seen.
@@ -258,8 +391,8 @@ class Transformer(nn.Module):
         missing, unexpected = expected - state.keys(), state.keys() - expected
         if missing or unexpected:
             raise ValueError(
-                f"{model_dir}: weights do not match a Qwen2 model of this config.json "
-                f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})."
+                f"{model_dir}: weights do not match a {hf_config['model_type']} model of this config.json "
+                f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}).{weights_hint(hf_config, missing)}"
             )
         model.load_state_dict(state, strict=False, assign=True)
         model.tie_weights()
@@ -270,7 +403,9 @@ class Transformer(nn.Module):
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         dtype = self.embed_tokens.weight.dtype
-        hf_config = dict(self.hf_config, torch_dtype=str(dtype).removeprefix("torch."))
+        # transformers >= 5 writes "dtype", older versions "torch_dtype": keep the layout the config came in.
+        dtype_key = "dtype" if "dtype" in self.hf_config else "torch_dtype"
+        hf_config = self.hf_config | {dtype_key: str(dtype).removeprefix("torch.")}
         (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         tensors = {
             hf_name(name): tensor.detach().to("cpu").contiguous()
@@ -278,6 +413,13 @@ class Transformer(nn.Module):
             if not (self.config.tie_word_embeddings and name == "lm_head.weight")
         }
         write_safetensors(tensors, out_dir, max_shard_bytes)
+
+
+def weights_hint(hf_config: dict, missing: set[str]) -> str:
+    if hf_config["model_type"] == "qwen2" and any(name.endswith("q_proj.bias") for name in missing):
+        return (" Qwen2 always has q/k/v biases (transformers' Qwen2ForCausalLM too); a checkpoint without them "
+                "is Llama-architecture: set model_type to llama and architectures to [LlamaForCausalLM].")
+    return ""
 
 
 def hf_name(name: str) -> str:
@@ -350,8 +492,9 @@ def init_weights(model: Transformer, seed: int, std: float = 0.02) -> None:
     """Random initialisation for models built from scratch (tests, the CPU demo)."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
+        norm_weights = {id(module.weight) for module in model.modules() if isinstance(module, RMSNorm)}
         for name, param in model.named_parameters():
-            if name.endswith("layernorm.weight") or name == "norm.weight":
+            if id(param) in norm_weights:
                 param.fill_(1.0)
             elif name.endswith(".bias"):
                 param.zero_()

@@ -1,23 +1,26 @@
-"""Build a tiny Qwen2-architecture model directory offline, in exactly the Hugging Face layout.
+"""Build a tiny Qwen2, Qwen3 or Llama model directory offline, in exactly the Hugging Face layout.
 
-Nothing here can be downloaded, so tests and the CPU demo use these: config.json, model.safetensors
-(random init), a byte-level BPE tokenizer.json trained here, and tokenizer_config.json with Qwen's
-special tokens and a ChatML chat template. The real loading code then reads them like any Qwen2.5.
+Nothing here can be downloaded, so tests and the CPU demo use these: config.json as transformers 5
+writes it for that architecture, model.safetensors (random init), a byte-level BPE tokenizer.json
+trained here, and tokenizer_config.json with the family's special tokens and chat template (ChatML for
+Qwen, the Llama 3 header format for Llama). The real loading code then reads them like a Hub model.
 
-    uv run tiny_model.py --out artifacts/tiny-qwen2 [--hidden-size 128 ...]
+    uv run tiny_model.py --out artifacts/tiny-qwen2 [--arch qwen3] [--hidden-size 128 ...]
 """
 
 import argparse
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from qwen2_model import ModelConfig, Transformer, init_weights
+from qwen2_model import ARCHITECTURES, ModelConfig, Transformer, init_weights
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+LLAMA_SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 # Qwen2's pre-tokenizer split (a public format fact): digits are single tokens, words keep a leading space.
 QWEN_SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -40,6 +43,21 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+# ChatML as Qwen3's template renders it without tools or thinking history: no default system message.
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Llama 3's header format (without its date preamble).
+LLAMA3_CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
 DEFAULT_SHAPE = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -49,6 +67,31 @@ DEFAULT_SHAPE = dict(
     rope_theta=10000.0,
     tie_word_embeddings=True,
 )
+
+
+@dataclass(frozen=True)
+class Family:
+    special_tokens: list[str]
+    chat_template: str
+    eos_token: str
+    pad_token: str | None  # None: padding uses eos, as Llama 3 checkpoints do
+    bos_token: str | None
+    config: dict  # config.json keys beyond the shape, as transformers 5 writes them for this class
+
+
+SLIDING_WINDOW_OFF = dict(use_sliding_window=False, sliding_window=None, max_window_layers=28)
+FAMILIES = {
+    "qwen2": Family(QWEN_SPECIAL_TOKENS, CHAT_TEMPLATE, "<|im_end|>", "<|endoftext|>", None, SLIDING_WINDOW_OFF),
+    # Like Qwen3-0.6B: explicit head_dim wider than hidden_size / heads.
+    "qwen3": Family(QWEN_SPECIAL_TOKENS, QWEN3_CHAT_TEMPLATE, "<|im_end|>", "<|endoftext|>", None,
+                    dict(SLIDING_WINDOW_OFF, attention_bias=False, head_dim=32)),
+    # Like Llama 3.2: llama3 RoPE scaling (here over a 64-token original context, so it bends the tiny
+    # model's frequencies too) and pad == eos.
+    "llama": Family(LLAMA_SPECIAL_TOKENS, LLAMA3_CHAT_TEMPLATE, "<|eot_id|>", None, "<|begin_of_text|>",
+                    dict(attention_bias=False, mlp_bias=False, pretraining_tp=1,
+                         rope_parameters=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                              original_max_position_embeddings=64))),
+}
 
 
 def task_like_corpus(seed: int, num_lines: int = 3000) -> list[str]:
@@ -70,7 +113,8 @@ def task_like_corpus(seed: int, num_lines: int = 3000) -> list[str]:
     return lines
 
 
-def train_tokenizer(corpus: list[str], vocab_size: int, split: str = "qwen") -> Tokenizer:
+def train_tokenizer(corpus: list[str], vocab_size: int, split: str = "qwen",
+                    special_tokens: list[str] = QWEN_SPECIAL_TOKENS) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -81,7 +125,7 @@ def train_tokenizer(corpus: list[str], vocab_size: int, split: str = "qwen") -> 
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -89,46 +133,59 @@ def train_tokenizer(corpus: list[str], vocab_size: int, split: str = "qwen") -> 
     return tokenizer
 
 
-def write_tokenizer(tokenizer: Tokenizer, out_dir: Path) -> None:
+def write_tokenizer(tokenizer: Tokenizer, out_dir: Path, family: Family) -> None:
     tokenizer.save(str(out_dir / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
+        "bos_token": family.bos_token,
+        "eos_token": family.eos_token,
+        "pad_token": family.pad_token,
         "unk_token": None,
         "model_max_length": 32768,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": family.chat_template,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+def hf_config_dict(arch: str, shape: dict, vocab_size: int, tokenizer: Tokenizer) -> dict:
+    """config.json as transformers 5 saves this architecture's model (minus transformers_version)."""
+    family = FAMILIES[arch]
+    shape = dict(shape)
+    rope_parameters = dict(family.config.get("rope_parameters", {"rope_type": "default"}),
+                           rope_theta=shape.pop("rope_theta"))
+    config = {
+        "architectures": [ARCHITECTURES[arch]], "model_type": arch, "dtype": "float32", "vocab_size": vocab_size,
+        "hidden_act": "silu", "attention_dropout": 0.0, "initializer_range": 0.02, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096, "use_cache": True,
+        "bos_token_id": tokenizer.token_to_id(family.bos_token or QWEN_SPECIAL_TOKENS[0]),
+        "eos_token_id": tokenizer.token_to_id(family.eos_token),
+        "pad_token_id": family.pad_token and tokenizer.token_to_id(family.pad_token),
+        **family.config, **shape, "rope_parameters": rope_parameters,
+    }
+    if arch == "llama":
+        config.setdefault("head_dim", shape["hidden_size"] // shape["num_attention_heads"])
+    else:
+        config["layer_types"] = ["full_attention"] * shape["num_hidden_layers"]
+    return dict(sorted(config.items()))
+
+
 def build_tiny_model(
-    out_dir, *, seed: int = 0, tokenizer_vocab_size: int = 512, tokenizer_split: str = "qwen", **shape_overrides
+    out_dir, *, arch: str = "qwen2", seed: int = 0, tokenizer_vocab_size: int = 512, tokenizer_split: str = "qwen",
+    **shape_overrides,
 ) -> Path:
-    """Write a seeded random Qwen2 model plus tokenizer to out_dir and return the path.
+    """Write a seeded random model of `arch` (qwen2, qwen3, llama) plus tokenizer to out_dir; return the path.
 
     tokenizer_split: "qwen" pre-tokenizes like Qwen2 (words, single digits); "digits" only splits digits.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(task_like_corpus(seed), tokenizer_vocab_size, tokenizer_split)
-    write_tokenizer(tokenizer, out_dir)
-    shape = DEFAULT_SHAPE | shape_overrides
+    family = FAMILIES[arch]
+    tokenizer = train_tokenizer(task_like_corpus(seed), tokenizer_vocab_size, tokenizer_split, family.special_tokens)
+    write_tokenizer(tokenizer, out_dir, family)
     # Like Qwen2.5, the embedding table is padded past the tokenizer's size to a multiple of 64.
     vocab_size = -(-tokenizer.get_vocab_size() // 64) * 64
-    config = ModelConfig(vocab_size=vocab_size, max_position_embeddings=4096, **shape)
-    hf_config = {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "hidden_act": "silu",
-        "attention_dropout": 0.0,
-        "bos_token_id": tokenizer.token_to_id("<|endoftext|>"),
-        "eos_token_id": tokenizer.token_to_id("<|im_end|>"),
-        "use_sliding_window": False,
-        **{name: getattr(config, name) for name in config.__dataclass_fields__},
-    }
-    model = Transformer(config, hf_config)
+    hf_config = hf_config_dict(arch, DEFAULT_SHAPE | shape_overrides, vocab_size, tokenizer)
+    model = Transformer(ModelConfig.from_hf_dict(hf_config), hf_config)
     init_weights(model, seed)
     model.to(torch.float32).save_pretrained(out_dir)
     return out_dir
@@ -137,6 +194,7 @@ def build_tiny_model(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--arch", choices=sorted(FAMILIES), default="qwen2")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer-vocab-size", type=int, default=512)
     parser.add_argument("--tokenizer-split", choices=sorted(SPLIT_PATTERNS), default="qwen")

@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -17,10 +18,27 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), seed=0)
 
 
+GSM8K_SAMPLE_DIR = REPO_ROOT / "tests" / "fixtures" / "gsm8k"  # 87 real rows, committed (see its README)
+
+
 @pytest.fixture(scope="session")
-def gsm8k_data_dir() -> Path:
-    """The real GSM8K files that sit beside the repository (never committed)."""
+def gsm8k_sample_dir() -> Path:
+    """A committed sample of the real GSM8K files: every test that needs GSM8K rows runs on it."""
+    return GSM8K_SAMPLE_DIR
+
+
+@pytest.fixture(scope="session")
+def gsm8k_full_dir() -> Path:
+    """The full GSM8K files (never committed): $GSM8K_DIR, else ../shared/data/gsm8k beside the repository.
+
+    Tests over all 8,792 rows are skipped, with this reason, where neither exists.
+    """
+    if os.environ.get("GSM8K_DIR"):
+        path = Path(os.environ["GSM8K_DIR"])
+        if not (path / "train.jsonl").is_file():
+            pytest.fail(f"GSM8K_DIR={path} has no train.jsonl; point it at the directory holding train.jsonl/test.jsonl")
+        return path
     path = REPO_ROOT.parent / "shared" / "data" / "gsm8k"
     if not (path / "train.jsonl").is_file():
-        pytest.fail(f"GSM8K test data not found at {path}; it is expected beside the repository as ../shared/data/gsm8k")
+        pytest.skip(f"full GSM8K data not found (set GSM8K_DIR, or put train.jsonl/test.jsonl in {path})")
     return path

@@ -36,6 +36,21 @@ def test_advantages_group_mean_and_population_std():
     assert no_baseline[3:] == pytest.approx([0.5 / 1e-4] * 3)  # std 0: only eps divides
 
 
+def test_advantages_with_the_sample_std():
+    rewards = [1.1, 0.1, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 7.0]  # groups of 3 and 5, and a group of one
+    episodes = [make_episode(q, [1], [2], r) for q, r in zip([0, 0, 0, 1, 1, 1, 1, 1, 2], rewards)]
+    std_3 = math.sqrt((0.7**2 + 0.3**2 + 0.4**2) / 2)  # divide by G - 1, as torch.std does
+    std_5 = math.sqrt((0.8**2 + 4 * 0.2**2) / 4)
+    expected = [0.7 / (std_3 + 1e-4), -0.3 / (std_3 + 1e-4), -0.4 / (std_3 + 1e-4), 0.8 / (std_5 + 1e-4)]
+    expected += [-0.2 / (std_5 + 1e-4)] * 4 + [0.0]  # a lone answer: no spread, no advantage (not NaN)
+    assert compute_advantages(episodes, LossConfig(std_estimator="sample")) == pytest.approx(expected, abs=1e-12)
+    population = compute_advantages(episodes, LossConfig(std_estimator="population"))
+    assert population == compute_advantages(episodes, LossConfig())  # the default
+    assert population[3] == pytest.approx(0.8 / (math.sqrt((0.8**2 + 4 * 0.2**2) / 5) + 1e-4), abs=1e-12)
+    lone = compute_advantages(episodes[-1:], LossConfig(baseline="none", std_estimator="sample"))
+    assert lone == pytest.approx([7.0 / 1e-4])  # as with the population std: only eps divides
+
+
 def test_surrogate_values_by_hand():
     log_probs = torch.log(torch.tensor([[1.5, 0.5, 1.0]]))  # ratios 1.5, 0.5, 1.0 against old log p = 0
     old = torch.zeros(1, 3)

@@ -154,6 +154,14 @@ def test_advantage_scaling_per_group_per_batch_and_none():
     assert none == pytest.approx(centered, abs=1e-12)
 
 
+def test_batch_std_uses_the_configured_estimator():
+    rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]  # batch: 3 of 6 deviations of 1/2 each way; sample std sqrt(1.5 / 5)
+    episodes = [make_episode(i // 3, r) for i, r in enumerate(rewards)]
+    centered = [2 / 3, -1 / 3, -1 / 3, 1 / 3, 1 / 3, -2 / 3]
+    sample = compute_advantages(episodes, LossConfig(std_scope="batch", std_estimator="sample"))
+    assert sample == pytest.approx([c / (math.sqrt(0.3) + 1e-4) for c in centered], abs=1e-12)
+
+
 def test_batch_std_keeps_all_equal_groups_at_zero():
     # Batch mean 0.5, deviations 0, 0, 0.5, -0.5: batch std sqrt(0.5 / 4). The first group's rewards are equal.
     episodes = [make_episode(i // 2, r) for i, r in enumerate([0.5, 0.5, 1.0, 0.0])]

@@ -1,8 +1,14 @@
 """GSM8K task: loaders, prompts, the answer grader (against Fraction arithmetic) and the reward."""
 
+import functools
 import json
 import operator
+import re
+import subprocess
+import sys
+import time
 from fractions import Fraction
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -11,7 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gsm8k_task
+import math_verify
+from fixtures.gsm8k.answer_corpus import FORMS, PROBES, build_corpus, read_gold_answers
 from gsm8k_task import (
+    MAX_ANSWER_CHARS,
     GSM8KDataset,
     answers_match,
     clean_solution,
@@ -54,22 +63,43 @@ def read_jsonl(path) -> list[dict]:
 # ----------------------------------------------------------------------------- loading
 
 
-def test_jsonl_rows_match_the_raw_file(gsm8k_data_dir):
-    for split, expected_count in (("train", 7473), ("test", 1319)):  # counts from the data's README
-        rows = load_gsm8k_rows(gsm8k_data_dir, split)
+SAMPLE_ROW_COUNTS = {"train": 44, "test": 43}  # tests/fixtures/gsm8k/README.md
+FULL_ROW_COUNTS = {"train": 7473, "test": 1319}  # from the data's README
+
+
+@pytest.fixture(params=["sample", "full"])
+def gsm8k_dir(request) -> tuple[Path, dict[str, int]]:
+    """The committed sample, then the full data where it is found (skipped with the reason otherwise)."""
+    if request.param == "sample":
+        return request.getfixturevalue("gsm8k_sample_dir"), SAMPLE_ROW_COUNTS
+    return request.getfixturevalue("gsm8k_full_dir"), FULL_ROW_COUNTS
+
+
+def test_jsonl_rows_match_the_raw_file(gsm8k_dir):
+    data_dir, row_counts = gsm8k_dir
+    for split, expected_count in row_counts.items():
+        rows = load_gsm8k_rows(data_dir, split)
         assert len(rows) == expected_count
-        assert rows == read_jsonl(gsm8k_data_dir / f"{split}.jsonl")
-    assert load_gsm8k_rows(gsm8k_data_dir, "train")[0]["question"] == FIRST_TRAIN_QUESTION
+        assert rows == read_jsonl(data_dir / f"{split}.jsonl")
+    assert load_gsm8k_rows(data_dir, "train")[0]["question"] == FIRST_TRAIN_QUESTION
 
 
-def test_hub_parquet_layout_reads_the_same_rows(tmp_path, gsm8k_data_dir):
-    rows = read_jsonl(gsm8k_data_dir / "test.jsonl")[:50]
+def test_sample_rows_are_rows_of_the_full_data(gsm8k_sample_dir, gsm8k_full_dir):
+    for split in ("train", "test"):
+        full_rows = read_jsonl(gsm8k_full_dir / f"{split}.jsonl")
+        sample_rows = read_jsonl(gsm8k_sample_dir / f"{split}.jsonl")
+        assert sample_rows[:40] == full_rows[:40]
+        assert all(row in full_rows for row in sample_rows[40:])
+
+
+def test_hub_parquet_layout_reads_the_same_rows(tmp_path, gsm8k_sample_dir):
+    rows = read_jsonl(gsm8k_sample_dir / "test.jsonl")[:40]
     (tmp_path / "main").mkdir()
     table = pa.table({"question": [row["question"] for row in rows], "answer": [row["answer"] for row in rows]})
     num_shards = 10  # enough that a loader ignoring shard order would almost surely scramble the rows
     for shard in range(num_shards):
         shard_path = tmp_path / "main" / f"test-{shard:05d}-of-{num_shards:05d}.parquet"
-        pq.write_table(table.slice(shard * 5, 5), shard_path)
+        pq.write_table(table.slice(shard * 4, 4), shard_path)
     pq.write_table(table.slice(0, 1), tmp_path / "main" / "train-00000-of-00001.parquet")
     assert load_gsm8k_rows(tmp_path, "test") == rows
     assert load_gsm8k_rows(tmp_path, "train") == rows[:1]
@@ -84,8 +114,55 @@ def test_missing_or_wrong_data_is_explained(tmp_path):
     (tmp_path / "main" / "train-00000-of-00001.parquet").write_text("version https://git-lfs.github.com/spec/v1\n")
     with pytest.raises(ValueError, match="git lfs pull"):
         load_gsm8k_rows(tmp_path, "train")
-    (tmp_path / "test.jsonl").write_text(json.dumps({"question": "q", "answer": "no final answer"}) + "\n")
-    with pytest.raises(ValueError, match="test row 0"):
+
+
+GOOD_LINE = json.dumps({"question": "q", "answer": "1 + 1 = 2\n#### 2"})
+BAD_JSONL = [
+    # (file contents, where the error must point, what it must say)
+    ("", None, "test split in .* has no rows"),
+    ("\n  \n", None, "test split in .* has no rows"),
+    (f"{GOOD_LINE}\n\n{{'question': 1\n", 3, "not valid JSON"),
+    (f"{GOOD_LINE}\n[1, 2]\n", 2, "expected a JSON object"),
+    (f"{GOOD_LINE}\n\"text\"\n", 2, "expected a JSON object"),
+    (f"{GOOD_LINE}\nnull\n", 2, "expected a JSON object"),
+    (json.dumps({"question": "q", "answer": "no final answer"}), 1, "#### <answer>"),
+    (json.dumps({"question": None, "answer": "#### 2"}), 1, "#### <answer>"),
+    (json.dumps({"question": "q", "answer": 2}), 1, "#### <answer>"),
+    (f"{GOOD_LINE}\n{GOOD_LINE}\n" + json.dumps({"question": "q", "answer": "#### eighteen"}), 3,
+     "gold answer 'eighteen' after '####' is not a number"),
+    (json.dumps({"question": "q", "answer": "#### 18 or more"}), 1, "gold answer '18 or more' after '####' is not"),
+    (json.dumps({"question": "q", "answer": "#### "}), 1, "gold answer '' after '####' is not a number"),
+]
+
+
+@pytest.mark.parametrize(("contents", "line", "message"), BAD_JSONL, ids=lambda case: repr(case)[:40])
+def test_bad_jsonl_is_an_error_naming_file_and_line(tmp_path, contents, line, message):
+    path = tmp_path / "test.jsonl"
+    path.write_text(contents, encoding="utf-8")
+    where = re.escape(f"{path}:{line}: ") if line else ""
+    with pytest.raises(ValueError, match=where + ".*" + message):
+        load_gsm8k_rows(tmp_path, "test")
+
+
+def test_data_errors_come_before_any_model_or_tokenizer(tmp_path):
+    (tmp_path / "train.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="train split in .* has no rows"):
+        GSM8KDataset(tmp_path, tokenizer=None, split="train")  # a run can check its data before loading the model
+
+
+def test_bad_parquet_row_is_an_error_naming_file_and_row(tmp_path):
+    (tmp_path / "main").mkdir()
+    answers = ["#### 1", "#### 2", "#### two"]
+    pq.write_table(pa.table({"question": ["q"] * 3, "answer": answers}), tmp_path / "main" / "test-00000-of-00001.parquet")
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "main" / "test-00000-of-00001.parquet") + " row 2: ")):
+        load_gsm8k_rows(tmp_path, "test")
+
+
+def test_byte_order_mark_and_non_utf8_jsonl(tmp_path):
+    (tmp_path / "test.jsonl").write_bytes(b"\xef\xbb\xbf" + GOOD_LINE.encode() + b"\n" + GOOD_LINE.encode() + b"\n")
+    assert load_gsm8k_rows(tmp_path, "test") == [json.loads(GOOD_LINE)] * 2
+    (tmp_path / "test.jsonl").write_bytes(GOOD_LINE.encode("utf-16"))
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "test.jsonl")) + " is not UTF-8 text"):
         load_gsm8k_rows(tmp_path, "test")
 
 
@@ -98,18 +175,18 @@ def test_gold_answer_and_solution_cleaning():
         extract_gold_answer("The answer is 5.")
 
 
-def test_dataset_items(tiny_model_dir, gsm8k_data_dir):
+def test_dataset_items(tiny_model_dir, gsm8k_sample_dir):
     tokenizer = Tokenizer(tiny_model_dir)
-    dataset = GSM8KDataset(gsm8k_data_dir, tokenizer, split="test")
-    assert len(dataset) == 1319
+    dataset = GSM8KDataset(gsm8k_sample_dir, tokenizer, split="test")
+    assert len(dataset) == SAMPLE_ROW_COUNTS["test"]
     item = dataset[0]
-    question = read_jsonl(gsm8k_data_dir / "test.jsonl")[0]["question"]
+    question = read_jsonl(gsm8k_sample_dir / "test.jsonl")[0]["question"]
     assert item["question"] == question and item["answer"] == "18"
     assert item["solution"] == FIRST_TEST_SOLUTION
     assert item["prompt"] == REASONING_PROMPT_HEAD + question + REASONING_PROMPT_TAIL
     assert item["prompt_ends_with_think"] is True
     assert tokenizer.decode(item["prompt_token_ids"]) == item["prompt"]
-    minimal_item = GSM8KDataset(gsm8k_data_dir, tokenizer, split="test", prompt_template="minimal")[0]
+    minimal_item = GSM8KDataset(gsm8k_sample_dir, tokenizer, split="test", prompt_template="minimal")[0]
     assert minimal_item["prompt"] == question and minimal_item["prompt_ends_with_think"] is False
 
 
@@ -143,17 +220,40 @@ EQUIVALENT = [
     ("8/4/2", "1"), ("2*3^2", "18"), ("-2^2", "-4"), ("2^3^2", "512"), ("2**10", "1024"), ("2^{-1}", "0.5"),
     ("3 \\times 6", "18"), ("3 \\cdot 6", "18"), ("36 \\div 2", "18"), ("\\left(3+3\\right)*3", "18"),
     ("\\frac{\\frac{1}{2}}{2}", "0.25"), ("--18", "18"),
+    # issue 13: what math models write
+    ("The answer is \\boxed{18}", "18"), ("The answer is $\\boxed{18}$ dollars.", "18"),
+    ("\\boxed{17} is wrong; \\boxed{18}", "18"), ("\\boxed{\\boxed{18}}", "18"), ("\\fbox{18}", "18"),
+    ("x = 18", "18"), ("x=18", "18"), ("answer: 18", "18"), ("Answer: $18", "18"), ("9 * 2 = 18 dollars", "18"),
+    ("The answer is 18", "18"), ("She makes $18 every day.", "18"), ("Janet\u2019s total is $18.", "18"),
+    ("She has 18 more apples than Bob.", "18"), ("18 fewer", "18"), ("**18**", "18"), ("**Answer:** 18", "18"), ("#### 18", "18"),
+    ("\\frac12", "0.5"), ("\\frac 1 2", "0.5"), ("\\dfrac12", "0.5"), ("\\tfrac{1}{2}", "0.5"), ("\\frac1{2}", "0.5"),
+    ("\\frac{1}2", "0.5"), ("\\frac{10}4", "2.5"),
+    ("1 1/2", "1.5"), ("-1 1/2", "-1.5"), ("1 1/2 cups", "1.5"), ("2\\frac{3}{4}", "2.75"), ("5 - 1 1/2", "3.5"),
+    ("1 000", "1000"), ("1\u2009000", "1000"), ("1\u202f000", "1000"), ("1\u00a0000", "1000"), ("1\\,000", "1000"),
+    ("1\\ 000", "1000"), ("12 345 678", "12345678"), ("1 000.5", "1000.5"),
+    ("1e3", "1000"), ("1.5e3", "1500"), ("1.5E+3", "1500"), ("25e-2", "0.25"), ("1.8 \\times 10^{1}", "18"),
+    ("\\left(18\\right)", "18"), ("(18)", "18"), ("18 (dollars)", "18"), ("18\\%", "18"),
+    ("\\text{18 dollars}", "18"), ("18\\,\\text{kg}", "18"), ("18 \\mbox{ cm}", "18"), ("18 \\quad \\mathrm{km/h}", "18"),
+    ("$18 dollars/hour", "18"),
+    ("18 square feet", "18"), ("18 times", "18"), ("18 pounds", "18"), ("approximately 18", "18"),
 ]
 NOT_EQUIVALENT = [
     ("19", "18"), ("180", "18"), ("1.8", "18"), ("18.0000001", "18"), ("0.333", "1/3"), ("50%", "0.5"),
     ("1,00", "100"), ("1,0000", "10000"), ("18 million", "18"), ("18 thousand", "18000"), ("eighteen", "18"),
-    ("18 or 19", "18"), ("18, 19", "18"), ("18 and a half", "18"), ("x = 18", "18"), ("The answer is 18", "18"),
-    ("3 x 6", "18"), ("1e3", "1000"), ("1 1/2", "1.5"), ("2(9)", "18"), ("\\sqrt{324}", "18"), ("18k", "18"),
-    ("", "18"), ("   ", "18"), ("\\boxed{}", "18"), ("(18", "18"), ("18)", "18"), ("\u0661\u0668", "18"),
-    ("18", "not a number"), ("18/0", "18"), ("0^-1", "0"),
+    ("18 or 19", "18"), ("18, 19", "18"), ("18 and a half", "18"), ("3 x 6", "18"), ("2(9)", "18"),
+    ("\\sqrt{324}", "18"), ("18k", "18"), ("", "18"), ("   ", "18"), ("\\boxed{}", "18"), ("(18", "18"), ("18)", "18"),
+    ("\u0661\u0668", "18"), ("18", "not a number"), ("18/0", "18"), ("0^-1", "0"),
+    # issue 13 and issue 11 item 8: words that change the value, bounds, a second number
+    ("18 squared", "18"), ("18 cubed", "18"), ("18 hundredths", "18"), ("18 grand", "18"), ("18 or more", "18"),
+    ("18 or so", "18"), ("at least 18", "18"), ("18 at most", "18"), ("more than 18", "18"), ("less than 18", "18"),
+    ("over 18", "18"), ("not 18", "18"), ("negative 18", "18"), ("minus 18", "18"), ("18 dozen", "18"),
+    ("twice 18", "18"), ("18 x", "18"), ("18 pi", "18"), ("\\boxed{18} or \\boxed{19}", "18"),
+    ("18 or \\boxed{19}", "18"),
+    ("19 or 18", "18"), ("18 (19)", "18"), ("18 dollars and 5 cents", "18"), ("x = 18, y = 3", "18"),
+    ("18!", "18"), ("x \\approx 18", "18"), ("x \\geq 18", "18"), ("x >= 18", "18"), ("18 != 19", "19"),
+    ("\\boxed{18", "18"), ("\\frac123", "18"), ("12 34", "1234"), ("1,000 000", "1000000"), ("1 0000", "10000"),
+    ("1 3/2", "2.5"), ("18 m/s", "18"), ("18 /", "18"), ("1 1/2^2", "1.25"), ("1e99999", "18"),
 ]
-
-
 @pytest.mark.parametrize(("predicted", "gold"), EQUIVALENT)
 def test_equivalent_answers_are_accepted(predicted, gold):
     assert answers_match(predicted, gold)
@@ -195,6 +295,72 @@ def test_hostile_answers(text, value):
     assert parse_answer(text) == value
 
 
+SLOW_SHAPES = [  # each at or near the length limit, built to make a regex or the parser work hard
+    "*" * MAX_ANSWER_CHARS, "**1" * 85, "\\boxed{" * 36, "\\boxed{" * 31 + "1" + "}" * 31, "{" * 256,
+    "\\frac" * 51, "\\frac1" * 42, "\\frac{" * 42, "1 " * 128, "1 000 " * 42, "1,000" * 51, "1e" + "9" * 254,
+    "9e999" * 51, "a " * 128, "=" * 256, "x=" * 128, "(" * 128 + ")" * 128, "1/" * 127 + "1", "1 1/2 " * 42,
+    "$" * 256, "\\text{" * 42, "more " * 51, "." * 256, "-" * 255 + "1",
+]
+
+
+@pytest.mark.parametrize("text", SLOW_SHAPES, ids=lambda text: repr(text)[:24])
+def test_every_call_is_fast_on_hostile_shapes(text):
+    assert len(text) <= MAX_ANSWER_CHARS
+    response = f"x</think> <answer>{text}</answer>"
+    best = min(_seconds(reward_function, response, "18") for _ in range(3))  # best of 3: the machine is shared
+    assert best < 0.05
+
+
+def _seconds(function, *args) -> float:
+    start = time.perf_counter()
+    function(*args)
+    return time.perf_counter() - start
+
+
+# math-verify (the grader of the second design document's lineage) is the oracle: on the corpus of
+# real gold answers written as models write them, the grader agrees with it except where it must not.
+DELIBERATE_DIFFERENCES = {  # corpus form -> (our grade, why we differ from math-verify)
+    "value word: or more": (False, "'or more' makes the answer a bound; math-verify drops the words"),
+    "value word: squared": (False, "'18 squared' is 324; math-verify drops the word"),
+    "value word: hundredths": (False, "'18 hundredths' is 0.18; math-verify drops the word"),
+    "value word: grand": (False, "'18 grand' is 18,000; math-verify drops the word"),
+    "value word: million": (False, "'18 million' is 18,000,000; math-verify drops the word"),
+    "bound: more than": (False, "'more than 18' is a bound, not a value; math-verify drops the words"),
+    "two numbers, gold last": (False, "'19 or 18' hedges between two answers; math-verify takes the last number"),
+    "two boxes, last wins": (True, "the last \\boxed{} is the final answer; math-verify reads a set of both boxes"),
+    "escaped dollar sign": (True, "'\\$18' is 18 dollars; math-verify finds no number outside math delimiters"),
+    "thin-space thousands": (True, "'448 000' with a thin space is 448000; math-verify reads 0"),
+    "LaTeX thin-space thousands": (True, "'448\\,000' is 448000; math-verify reads 1*0-style products"),
+    "scientific notation": (True, "'448e3' is 448000; math-verify reads 448 and drops 'e3'"),
+    "Unicode minus": (True, "'\u22127' is -7; math-verify does not read U+2212"),
+    "undelimited \\times": (True, "'36 \\times 2' is 72; math-verify reads only the 2 outside math delimiters"),
+}
+
+
+@functools.cache
+def math_verify_parse(text: str) -> list:
+    return math_verify.parse(text)
+
+
+def math_verify_grade(answer: str, gold: str) -> bool:
+    return math_verify.verify(math_verify_parse(gold), math_verify_parse(answer))
+
+
+def test_grader_agrees_with_math_verify_on_real_gold_answers():
+    pairs = build_corpus(read_gold_answers())
+    assert len(pairs) >= 500 and {pair.form for pair in pairs} == set(FORMS) | set(PROBES)
+    disagreements = {}
+    for pair in pairs:
+        ours = answers_match(pair.answer, pair.gold)
+        assert ours == (pair.stated_value == Fraction(pair.gold)), pair  # the value fixed by hand
+        if ours != math_verify_grade(pair.answer, pair.gold):
+            disagreements.setdefault(pair.form, []).append((pair.answer, ours))
+    assert {form: [ours for _, ours in found] for form, found in disagreements.items()} == {
+        form: [ours] for form, (ours, _) in DELIBERATE_DIFFERENCES.items()
+    }
+    assert 1 - len(DELIBERATE_DIFFERENCES) / len(pairs) >= 0.99
+
+
 # Expression trees with Fraction values as the independent reference; None marks division by zero.
 leaves = st.one_of(
     st.integers(0, 10**6).map(lambda number: (Fraction(number), str(number))),
@@ -231,7 +397,7 @@ def test_parser_matches_fraction_arithmetic(expression):
     assert parse_answer(f"\\boxed{{{text}}}") == value
 
 
-@given(st.text(alphabet="0123456789.,+-*/^(){}%$\\ fracboxedtxlm", max_size=60))
+@given(st.text(alphabet="0123456789.,+-*/^(){}%$\\ fracboxedtxlmE=:\u2009", max_size=60))
 @settings(max_examples=500, deadline=None)
 def test_grader_never_raises(text):
     assert answers_match(text, "18") in (True, False)
@@ -239,9 +405,9 @@ def test_grader_never_raises(text):
     assert result["reward"] in (0.1, 1.1)
 
 
-def test_every_real_gold_answer_grades_against_its_variants(gsm8k_data_dir):
+def test_every_real_gold_answer_grades_against_its_variants(gsm8k_dir):
     for split in ("train", "test"):
-        for row in load_gsm8k_rows(gsm8k_data_dir, split):
+        for row in load_gsm8k_rows(gsm8k_dir[0], split):
             gold = extract_gold_answer(row["answer"])
             number = int(gold)  # every GSM8K final answer is an integer
             raw_final_line = row["answer"].rpartition("####")[2]  # as the data writes it, commas included
@@ -304,12 +470,13 @@ def test_reward_on_huge_response_is_zero():
 
 
 @pytest.mark.parametrize("template_name", ["reasoning", "minimal"])
-def test_sft_data_gets_full_reward_on_every_train_row(tmp_path, gsm8k_data_dir, template_name):
+def test_sft_data_gets_full_reward_on_every_train_row(tmp_path, gsm8k_dir, template_name):
+    (data_dir, row_counts) = gsm8k_dir
     out_path = tmp_path / "sft" / "train.jsonl"
-    gsm8k_task.main(["sft-data", "--data", str(gsm8k_data_dir), "--out", str(out_path), "--prompt-template", template_name])
+    gsm8k_task.main(["sft-data", "--data", str(data_dir), "--out", str(out_path), "--prompt-template", template_name])
     lines = read_jsonl(out_path)
-    rows = read_jsonl(gsm8k_data_dir / "train.jsonl")
-    assert len(lines) == len(rows) == 7473
+    rows = read_jsonl(data_dir / "train.jsonl")
+    assert len(lines) == len(rows) == row_counts["train"]
     template = {"reasoning": REASONING_PROMPT_HEAD + "{question}" + REASONING_PROMPT_TAIL, "minimal": "{question}"}
     for line, row in zip(lines, rows):
         head, _, tail = template[template_name].partition("{question}")
@@ -322,3 +489,24 @@ def test_sft_data_gets_full_reward_on_every_train_row(tmp_path, gsm8k_data_dir, 
     first = lines[0]["response"]
     expected_first = FIRST_TRAIN_SOLUTION + " </think> <answer> 72 </answer>"
     assert first == (expected_first if template_name == "reasoning" else "<think> " + expected_first)
+
+
+# ----------------------------------------------------------------------------- bench
+
+
+@pytest.mark.slow
+def test_grader_bench_reports_throughput_and_the_agreement_table(tmp_path):
+    json_path = tmp_path / "report.json"
+    completed = subprocess.run(
+        [sys.executable, "bench/gsm8k_grader.py", "--seconds-per-case", "0.001", "--json-out", str(json_path)],
+        capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1],
+    )
+    report = json.loads(json_path.read_text())
+    assert report["gold_answers"]["plain 1234"]["mean_reward"] == pytest.approx(1.1)
+    assert report["gold_answers"]["wrong 1235"]["mean_reward"] == pytest.approx(0.1)
+    assert report["hostile"]["correct answer"]["mean_reward"] == pytest.approx(1.1)
+    assert report["hostile"]["power tower 9^9^9^9"]["mean_reward"] == pytest.approx(0.1)
+    disagreeing = {form for form, row in report["agreement"].items() if row["disagree"]}
+    assert disagreeing == set(DELIBERATE_DIFFERENCES)
+    assert "agreement with math-verify: " in completed.stdout
+    assert "| two boxes, last wins | 1 | 1 | 0 | 1 |" in completed.stdout

@@ -1,5 +1,5 @@
-"""GSM8K end to end on the tiny fixture and the real GSM8K files: GRPO from configs/gsm8k.yaml, the SFT
-warm-up from configs/gsm8k_sft.yaml, and the Weights & Biases path (offline)."""
+"""GSM8K end to end on the tiny fixture and the committed sample of real GSM8K rows: GRPO from
+configs/gsm8k.yaml, the SFT warm-up from configs/gsm8k_sft.yaml, and the Weights & Biases path (offline)."""
 
 import json
 import struct
@@ -49,6 +49,10 @@ def test_configs_are_the_documents_setup():
     assert (grpo.rollout.num_answers_per_question, grpo.rollout.episodes_per_step) == (8, 256)
     assert (grpo.optim.learning_rate, grpo.optim.betas, grpo.optim.max_grad_norm) == (1e-5, (0.9, 0.95), 1.0)
     assert grpo.eval.interval == 10
+    assert (grpo.loss.std_normalization, grpo.loss.std_estimator) == (True, "sample")  # torch.std, as the document
+    assert config_lib.load(train.TrainConfig, CONFIGS.parent / "config.yaml").loss.std_estimator == "population"
+    with pytest.raises(config_lib.ConfigError, match="loss.std_estimator: 'unbiased' is not allowed; use one of"):
+        config_lib.load(train.TrainConfig, CONFIGS / "gsm8k.yaml", ["loss.std_estimator=unbiased"])
     sft = config_lib.load(train_sft.SFTConfig, CONFIGS / "gsm8k_sft.yaml")
     assert sft.model.dir == grpo.model.dir and sft.task == grpo.task  # SFT teaches the prompt GRPO trains on
     assert (sft.optim.betas, sft.eval.max_gen_len) == (grpo.optim.betas, grpo.rollout.max_gen_len)
@@ -70,15 +74,15 @@ def recorded_rewards(monkeypatch) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_grpo_run_grades_gsm8k_logs_evaluations_and_saves_a_checkpoint(tmp_path, tiny_model_dir, gsm8k_data_dir,
+def test_grpo_run_grades_gsm8k_logs_evaluations_and_saves_a_checkpoint(tmp_path, tiny_model_dir, gsm8k_sample_dir,
                                                                         recorded_rewards):
-    metrics = train.train(grpo_config(tmp_path, tiny_model_dir, gsm8k_data_dir))
+    metrics = train.train(grpo_config(tmp_path, tiny_model_dir, gsm8k_sample_dir))
 
     # Call order: eval at step 0 (3 questions), rollouts of steps 1 and 2 (2 questions x 2 answers), eval at step 2.
     assert len(recorded_rewards) == 3 + 4 + 4 + 3
     first_eval, rollouts, last_eval = recorded_rewards[:3], recorded_rewards[3:11], recorded_rewards[11:]
-    test_rows = gsm8k_rows(gsm8k_data_dir, "test")
-    train_questions = {row["question"] for row in gsm8k_rows(gsm8k_data_dir, "train")}
+    test_rows = gsm8k_rows(gsm8k_sample_dir, "test")
+    train_questions = {row["question"] for row in gsm8k_rows(gsm8k_sample_dir, "train")}
     template = (CONFIGS.parent / "prompts" / "reasoning.txt").read_text().removesuffix("\n")
     for call, row in zip(last_eval, test_rows):
         assert call["item"]["prompt"] == template.replace("{question}", row["question"])
@@ -120,7 +124,7 @@ def sft_config(tmp_path, model_dir, data_dir, *overrides) -> train_sft.SFTConfig
 
 
 @pytest.mark.slow
-def test_sft_on_gsm8k_pairs_lowers_held_out_loss(tmp_path, tiny_model_dir, gsm8k_data_dir, monkeypatch):
+def test_sft_on_gsm8k_pairs_lowers_held_out_loss(tmp_path, tiny_model_dir, gsm8k_sample_dir, monkeypatch):
     tokenized = []  # what train_sft.py trains and evaluates on: (train examples, held-out examples)
     real_tokenize_pairs = train_sft.tokenize_pairs
 
@@ -129,11 +133,11 @@ def test_sft_on_gsm8k_pairs_lowers_held_out_loss(tmp_path, tiny_model_dir, gsm8k
         return tokenized[-1]
 
     monkeypatch.setattr(train_sft, "tokenize_pairs", recording_tokenize_pairs)
-    config = sft_config(tmp_path, tiny_model_dir, gsm8k_data_dir, "data.max_seq_len=2048")  # tiny BPE: more tokens
+    config = sft_config(tmp_path, tiny_model_dir, gsm8k_sample_dir, "data.max_seq_len=2048")  # tiny BPE: more tokens
     metrics = train_sft.train_sft(config)
 
     (train_examples, eval_examples) = tokenized
-    rows = gsm8k_rows(gsm8k_data_dir, "train")
+    rows = gsm8k_rows(gsm8k_sample_dir, "train")
     assert (len(train_examples), len(eval_examples)) == (len(rows) - 8, 8)  # none left out
     tokenizer = Tokenizer(tiny_model_dir)
     ids, prompt_length = eval_examples[-1]  # the last training problem, held out
@@ -148,9 +152,9 @@ def test_sft_on_gsm8k_pairs_lowers_held_out_loss(tmp_path, tiny_model_dir, gsm8k
 
 
 @pytest.mark.slow
-def test_sft_data_jsonl_holds_the_pairs_the_task_gives(tmp_path, tiny_model_dir, gsm8k_data_dir):
-    gsm8k_task.main(["sft-data", "--data", str(gsm8k_data_dir), "--out", str(tmp_path / "sft.jsonl")])
-    config = sft_config(tmp_path, tiny_model_dir, gsm8k_data_dir)
+def test_sft_data_jsonl_holds_the_pairs_the_task_gives(tmp_path, tiny_model_dir, gsm8k_sample_dir):
+    gsm8k_task.main(["sft-data", "--data", str(gsm8k_sample_dir), "--out", str(tmp_path / "sft.jsonl")])
+    config = sft_config(tmp_path, tiny_model_dir, gsm8k_sample_dir)
     assert train_sft.read_pairs(tmp_path / "sft.jsonl") == tasks.sft_pairs(config.task, Tokenizer(tiny_model_dir))
 
 
@@ -181,11 +185,11 @@ def read_wandb_history(run_file: Path) -> tuple[list, list[dict]]:
 
 
 @pytest.mark.slow
-def test_wandb_offline_records_every_scalar_at_its_step(tmp_path, tiny_model_dir, gsm8k_data_dir, monkeypatch):
+def test_wandb_offline_records_every_scalar_at_its_step(tmp_path, tiny_model_dir, gsm8k_sample_dir, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
-    train.train(grpo_config(tmp_path, tiny_model_dir, gsm8k_data_dir, "logging.wandb=true", "optim.num_steps=1",
+    train.train(grpo_config(tmp_path, tiny_model_dir, gsm8k_sample_dir, "logging.wandb=true", "optim.num_steps=1",
                             "eval.interval=1", "eval.max_questions=2"))
     wandb.teardown()  # the W&B service writes the run file in the background; this waits until it is done
 

@@ -137,6 +137,6 @@ def test_git_lfs_pointer_is_explained(tmp_path, tiny_model_dir):
 def test_other_model_type_is_refused(tmp_path, tiny_model_dir):
     shutil.copytree(tiny_model_dir, tmp_path / "model")
     config_path = tmp_path / "model" / "config.json"
-    config_path.write_text(json.dumps(json.loads(config_path.read_text()) | {"model_type": "llama"}))
-    with pytest.raises(ValueError, match="model_type='llama'.*Qwen2.5"):
+    config_path.write_text(json.dumps(json.loads(config_path.read_text()) | {"model_type": "mistral"}))
+    with pytest.raises(ValueError, match="model_type='mistral'.*Qwen2/Qwen2.5, Qwen3 and Llama"):
         Transformer.from_pretrained(tmp_path / "model")
