@@ -16,6 +16,7 @@ from data_types import Episode
 from distributed import OptimizerStep
 from grpo import (LossConfig, apply_overlong_penalty, compute_advantages, k3_kl, overlong_penalty,
                   sample_informative_groups, surrogate_token_losses, update_metrics, update_policy)
+from qwen2_model import Transformer
 from train import OptimConfig
 from test_grpo import (TOKEN, assert_same_parameters, expected_sgd_update, per_token_log_probs, policy,  # noqa: F401
                        sample_episodes)
@@ -415,3 +416,21 @@ def test_dynamic_sampling_draws_new_questions_until_the_cap(tmp_path, tiny_model
     assert expected_rounds > 1  # this seed needs a refill, so the test checks one
     round_questions = {tuple(group[0][0] for group in groups[r : r + 4]) for r in range(0, len(groups), 4)}
     assert len(round_questions) == expected_rounds  # every round asked different questions
+
+
+@pytest.mark.slow
+def test_resume_with_dynamic_sampling_and_kl_equals_uninterrupted_run(tmp_path, tiny_model_dir, countdown_dir,
+                                                                       digit_reward):
+    """Extra rounds' questions are a function of (step, round), and the reference is model.dir, not the checkpoint."""
+    variants = ("rollout.dynamic_sampling=true", "loss.kl_beta=0.5", "eval.interval=0")
+    train.train(tiny_config(tmp_path / "full", tiny_model_dir, countdown_dir, *variants, "optim.num_steps=4"))
+    train.train(tiny_config(tmp_path / "cut", tiny_model_dir, countdown_dir, *variants, "optim.num_steps=2"))
+    resumed_config = tiny_config(tmp_path / "cut", tiny_model_dir, countdown_dir, *variants, "optim.num_steps=4")
+    train.train(resumed_config, resume=str(tmp_path / "cut" / "checkpoints" / "tiny"))
+    full = Transformer.from_pretrained(tmp_path / "full" / "checkpoints" / "tiny" / "step_000004", dtype=torch.float32)
+    resumed = Transformer.from_pretrained(tmp_path / "cut" / "checkpoints" / "tiny" / "step_000004", dtype=torch.float32)
+    for (name, a), b in zip(full.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+    full_scalars = read_scalars(tmp_path / "full" / "logs" / "tiny")
+    assert max(value for _, value in full_scalars["train/dynamic_sampling_rounds"]) > 1  # a refill happened
+    assert all(value > 0 for step, value in full_scalars["train/kl"] if step > 1)
