@@ -3,9 +3,11 @@
 Default behaviour is GRPO:Zero's: group-mean baseline, std normalisation, a token-level loss (every
 generated token in the batch weighs the same), no KL term and no reference model. The variants of
 the second design document (no baseline, no std, sequence or constant length normalisation,
-K epochs per rollout with or without PPO clipping) are switches in `LossConfig`.
+K epochs per rollout with or without PPO clipping) are switches in `LossConfig`, and so are the ones
+that followed DeepSeek-R1 (DAPO, Dr. GRPO, GSPO, a KL penalty to a frozen reference; docs/variants.md).
 """
 
+import dataclasses
 import logging
 import time
 from collections import defaultdict
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING, Callable, Literal
 import torch
 from tqdm import tqdm
 
+from config import ConfigError
 from data_types import Episode, QuestionBatch
 from generation import generate
 from logprobs import token_log_probs
@@ -36,13 +39,31 @@ class LossConfig:
     aggregation_constant: int | None = None  # tokens per sequence for "constant"; null = max_gen_len
     epochs_per_rollout: int = 1  # K optimizer steps on each rollout batch
     clip: Literal["none", "ppo"] = "none"
-    clip_range: float = 0.2
+    clip_range: float = 0.2  # the ratio is clipped to [1 - clip_range, 1 + clip_range_high]
+    # The variants that followed DeepSeek-R1 (docs/variants.md); each default leaves the loss as above.
+    clip_range_high: float | None = None  # DAPO's clip-higher: a wider upper range; null = clip_range
+    importance_sampling: Literal["token", "sequence"] = "token"  # sequence: GSPO's per-sequence ratio
+    std_scope: Literal["group", "batch"] = "group"  # whose reward std divides the advantages
+    overlong_buffer_fraction: float = 0.0  # DAPO's soft overlong penalty ramps over this last part of max_gen_len
+    overlong_penalty_factor: float = 1.0  # the reward taken off an answer of max_gen_len tokens
+    kl_beta: float = 0.0  # weight of the k3 KL to the frozen initial policy; 0: no reference model
 
     def validate(self) -> None:
         if self.epochs_per_rollout < 1:
-            raise ValueError(f"loss.epochs_per_rollout must be >= 1, got {self.epochs_per_rollout}")
+            raise ConfigError(f"loss.epochs_per_rollout must be >= 1, got {self.epochs_per_rollout}")
         if not 0 < self.clip_range < 1:
-            raise ValueError(f"loss.clip_range must be in (0, 1), got {self.clip_range}")
+            raise ConfigError(f"loss.clip_range must be in (0, 1), got {self.clip_range}")
+        if self.clip_range_high is not None:
+            if not 0 < self.clip_range_high < 10:
+                raise ConfigError(f"loss.clip_range_high must be in (0, 10) or null, got {self.clip_range_high}")
+            if self.clip == "none":
+                raise ConfigError("loss.clip_range_high needs loss.clip: ppo (without clipping it does nothing)")
+        if not 0 <= self.overlong_buffer_fraction < 1:
+            raise ConfigError(f"loss.overlong_buffer_fraction must be in [0, 1), got {self.overlong_buffer_fraction}")
+        if self.overlong_penalty_factor <= 0:
+            raise ConfigError(f"loss.overlong_penalty_factor must be > 0, got {self.overlong_penalty_factor}")
+        if self.kl_beta < 0:
+            raise ConfigError(f"loss.kl_beta must be >= 0 (0: no KL term), got {self.kl_beta}")
 
 
 def rollout(
@@ -87,12 +108,20 @@ def rollout(
     return episodes
 
 
-def compute_advantages(episodes: list[Episode], config: LossConfig) -> list[float]:
-    """Per-episode advantage from its group (the answers to the same question)."""
+def compute_advantages(episodes: list[Episode], config: LossConfig,
+                       batch_rewards: list[float] | None = None) -> list[float]:
+    """Per-episode advantage from its group (the answers to the same question).
+
+    std_scope "batch" divides by the std of `batch_rewards` (default: these episodes' rewards; under
+    data parallel the caller passes every rank's).
+    """
     groups = defaultdict(list)
     for index, episode in enumerate(episodes):
         groups[episode.question_index].append(index)
     advantages = [0.0] * len(episodes)
+    if config.std_normalization and config.std_scope == "batch":
+        batch_rewards = [e.reward for e in episodes] if batch_rewards is None else batch_rewards
+        batch_std = reward_std(torch.tensor(batch_rewards, dtype=torch.float64), config.std_estimator)
     for members in groups.values():
         rewards = torch.tensor([episodes[i].reward for i in members], dtype=torch.float64)
         centered = rewards
@@ -100,12 +129,17 @@ def compute_advantages(episodes: list[Episode], config: LossConfig) -> list[floa
             # Equal rewards can leave 1e-17 residues after subtracting their mean; they must give exactly 0.
             centered = rewards - rewards.mean() if rewards.max() > rewards.min() else torch.zeros_like(rewards)
         if config.std_normalization:
-            # A one-answer group has no sample std; it gets the population std, 0, like any zero-spread group.
-            correction = 1 if config.std_estimator == "sample" and len(members) > 1 else 0
-            centered = centered / (rewards.std(correction=correction) + config.advantage_eps)
+            std = reward_std(rewards, config.std_estimator) if config.std_scope == "group" else batch_std
+            centered = centered / (std + config.advantage_eps)
         for i, value in zip(members, centered.tolist()):
             advantages[i] = value
     return advantages
+
+
+def reward_std(rewards: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Population (divide by n) or sample (n - 1) std. One reward has no sample std; it gets the
+    population std, 0, like any zero-spread group."""
+    return rewards.std(correction=1 if estimator == "sample" and len(rewards) > 1 else 0)
 
 
 def episode_loss_weights(episodes: list[Episode], config: LossConfig, num_sequences: int, num_tokens: int,
@@ -124,16 +158,23 @@ def episode_loss_weights(episodes: list[Episode], config: LossConfig, num_sequen
     return [1.0 / (num_sequences * constant)] * len(episodes)
 
 
-def surrogate_token_losses(log_probs, old_log_probs, advantages, config: LossConfig):
+def surrogate_token_losses(log_probs, old_log_probs, advantages, config: LossConfig, mask=None):
     """-ratio x advantage per token, or PPO's pessimistic clipped version; also which tokens were clipped.
 
     On-policy (old_log_probs = log_probs.detach()) the ratio is 1 and the gradient is advantage x grad log p.
+    GSPO (importance_sampling "sequence") gives every token of an answer the same ratio, the geometric
+    mean of its token ratios over `mask` (the generated positions).
     """
-    ratio = torch.exp(log_probs - old_log_probs)
+    log_ratio = log_probs - old_log_probs
+    if config.importance_sampling == "sequence":
+        mean_log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+        log_ratio = mean_log_ratio.expand_as(log_ratio)
+    ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
     if config.clip == "none":
         return -unclipped, ratio, torch.zeros_like(ratio, dtype=torch.bool)
-    clipped = ratio.clamp(1 - config.clip_range, 1 + config.clip_range) * advantages
+    clip_range_high = config.clip_range if config.clip_range_high is None else config.clip_range_high
+    clipped = ratio.clamp(1 - config.clip_range, 1 + clip_range_high) * advantages
     return -torch.minimum(unclipped, clipped), ratio, clipped < unclipped
 
 
@@ -166,6 +207,7 @@ def update_policy(
     max_gen_len: int,
     pad_token_id: int,
     progress: bool = False,
+    reference_model=None,
 ) -> dict[str, float]:
     """`config.epochs_per_rollout` optimizer steps on these episodes; returns sums for `update_metrics`.
 
@@ -174,19 +216,24 @@ def update_policy(
     optimizer_step (distributed.OptimizerStep): each micro-batch's forward and backward run inside
     `optimizer_step.micro_batch(last)` (`last`: an epoch's last micro-batch); `optimizer_step()`
     then applies the accumulated gradients and returns their norm.
+    With config.kl_beta > 0, `reference_model` (the frozen initial policy) adds beta x k3 KL per token.
     """
     if not counts[0]:
         logger.warning("no episodes to train on this step (all were filtered out); skipping the update")
         return {}
+    if config.kl_beta and reference_model is None:
+        raise ValueError("loss.kl_beta > 0 needs the frozen reference model (reference_model=...)")
     weights = episode_loss_weights(episodes, config, *counts, max_gen_len)
     start = time.perf_counter()
     device = next(model.parameters()).device
     batches = micro_batches(episodes, optim.micro_batch_size)
     old_log_probs = {}  # per micro-batch, from the first epoch: the policy that sampled the episodes
+    reference_log_probs = {}  # per micro-batch, from the frozen reference (kl_beta > 0 only)
     # Accumulated on the device and read once at the end: a host read per micro-batch would stall
     # the device queue. float64, so sums of float32 values are the same as Python's float sums.
     sums = torch.zeros(len(TOKEN_SUMS), dtype=torch.float64, device=device)
     ratio_max = torch.zeros((), device=device)
+    kl_sum = torch.zeros((), dtype=torch.float64, device=device)
     grad_norm, num_tokens = 0.0, 0
     model.train()
     for epoch in range(config.epochs_per_rollout):
@@ -198,11 +245,21 @@ def update_policy(
                 log_probs, entropy = token_log_probs(model, tokens, optim.logprob_chunk_size)
                 if epoch == 0:
                     old_log_probs[batch_number] = log_probs.detach()
+                    if config.kl_beta:
+                        with torch.no_grad():
+                            reference = token_log_probs(reference_model, tokens, optim.logprob_chunk_size)[0]
+                        # Prompt and padding positions get the policy's own value (KL 0), so a far-off
+                        # reference there cannot overflow exp() into inf x 0 = NaN.
+                        reference_log_probs[batch_number] = torch.where(mask, reference, log_probs.detach())
                 per_token_advantage = torch.tensor([advantages[i] for i in indices], device=device)[:, None]
                 per_token_weight = torch.tensor([weights[i] for i in indices], device=device)[:, None] * mask
                 token_losses, ratio, clipped = surrogate_token_losses(
-                    log_probs, old_log_probs[batch_number], per_token_advantage, config
+                    log_probs, old_log_probs[batch_number], per_token_advantage, config, mask
                 )
+                if config.kl_beta:
+                    kl = k3_kl(log_probs, reference_log_probs[batch_number])
+                    token_losses = token_losses + config.kl_beta * kl
+                    kl_sum += (kl.detach() * mask).sum().double()
                 loss = (token_losses * per_token_weight).sum()
                 loss.backward()
             ratio = ratio.detach()
@@ -214,19 +271,22 @@ def update_policy(
             bar.set_postfix(tok_per_s=f"{num_tokens / (time.perf_counter() - start):.0f}")
         grad_norm = optimizer_step()
     totals = dict(zip(TOKEN_SUMS, sums.tolist()))
+    if config.kl_beta:
+        totals["kl_sum"] = kl_sum.item()
     return {**totals, "advantage_abs_sum": sum(abs(a) for a in advantages), "episodes": len(episodes),
             "ratio_max": ratio_max.item(), "grad_norm": grad_norm, "update_seconds": time.perf_counter() - start}
 
 
 # What update_policy sums over micro-batches, and then what a caller sums over ranks before update_metrics.
 TOKEN_SUMS = ("loss", "tokens", "entropy", "clipped", "ratio_sum")
-UPDATE_SUMS = (*TOKEN_SUMS, "advantage_abs_sum", "episodes")
+UPDATE_SUMS = (*TOKEN_SUMS, "advantage_abs_sum", "episodes", "kl_sum")  # kl_sum: only with kl_beta > 0
 
 
 def update_metrics(totals: dict[str, float]) -> dict[str, float]:
     """Means of update_policy's sums (a single rank's, or every rank's added up)."""
     tokens = max(totals["tokens"], 1)
     return {
+        **({"kl": totals["kl_sum"] / tokens} if "kl_sum" in totals else {}),
         "loss": totals["loss"],
         "grad_norm": totals["grad_norm"],
         "entropy": totals["entropy"] / tokens,
@@ -237,3 +297,62 @@ def update_metrics(totals: dict[str, float]) -> dict[str, float]:
         "update_seconds": totals["update_seconds"],
         "update_tokens_per_second": totals["tokens"] / totals["update_seconds"],
     }
+
+
+# ----------------------------------------------------------------------------- variants (docs/variants.md)
+
+
+def k3_kl(log_probs: torch.Tensor, reference_log_probs: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(policy || reference), Schulman's k3 estimator: r - log r - 1 with r = p_ref / p.
+
+    Never negative, zero where the two agree, and unbiased for the KL when tokens are sampled from the policy.
+    """
+    log_ratio = reference_log_probs - log_probs
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def overlong_penalty(num_tokens: int, max_gen_len: int, config: LossConfig) -> float:
+    """DAPO's soft overlong punishment: 0 up to the last L = fraction x max_gen_len tokens, then a
+    linear ramp that reaches config.overlong_penalty_factor at max_gen_len."""
+    buffer = round(config.overlong_buffer_fraction * max_gen_len)
+    if buffer == 0:
+        return 0.0
+    return config.overlong_penalty_factor * min(max(num_tokens - (max_gen_len - buffer), 0) / buffer, 1.0)
+
+
+def apply_overlong_penalty(episodes: list[Episode], max_gen_len: int, config: LossConfig) -> list[Episode]:
+    """The episodes with their length penalty taken off the reward (and kept in reward_info)."""
+    shaped = []
+    for episode in episodes:
+        penalty = overlong_penalty(episode.num_generated_tokens, max_gen_len, config)
+        shaped.append(dataclasses.replace(episode, reward=episode.reward - penalty,
+                                          reward_info={**episode.reward_info, "overlong_penalty": penalty}))
+    return shaped
+
+
+def sample_informative_groups(
+    sample_round: Callable[[int], list[Episode]], num_groups: int, max_rounds: int
+) -> tuple[list[Episode], list[Episode], int]:
+    """DAPO's dynamic sampling: drop groups whose rewards are all equal (their advantages are 0) and
+    sample more questions until `num_groups` groups are left, for at most `max_rounds` rounds.
+
+    `sample_round(r)` returns round r's scored episodes (whole groups, numbered by question_index).
+    Returns the kept groups' episodes (renumbered 0.., at most `num_groups` groups), every sampled
+    episode (for logging what the policy produced), and the number of rounds it took.
+    """
+    kept, sampled = [], []
+    rounds = 0
+    while len(kept) < num_groups and rounds < max_rounds:
+        episodes = sample_round(rounds)
+        rounds += 1
+        sampled += episodes
+        groups = defaultdict(list)
+        for episode in episodes:
+            groups[episode.question_index].append(episode)
+        kept += [group for group in groups.values() if len({e.reward for e in group}) > 1]
+    if len(kept) < num_groups:
+        logger.warning("dynamic sampling: %d of %d groups with different rewards after %d rounds; training on those",
+                       len(kept), num_groups, rounds)
+    renumbered = [dataclasses.replace(episode, question_index=index)
+                  for index, group in enumerate(kept[:num_groups]) for episode in group]
+    return renumbered, sampled, rounds

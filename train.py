@@ -23,7 +23,8 @@ from bootstrap import BootstrapConfig
 from data_types import Episode, QuestionBatch
 from distributed import DistributedConfig
 from evaluate import EvalConfig, evaluate
-from grpo import UPDATE_SUMS, LossConfig, compute_advantages, rollout, update_metrics, update_policy
+from grpo import (UPDATE_SUMS, LossConfig, apply_overlong_penalty, compute_advantages, overlong_penalty, rollout,
+                  sample_informative_groups, update_metrics, update_policy)
 from optimizer import MemoryEfficientAdamW
 from run_logging import LoggingConfig, RunLogger
 from runtime import (ModelSetup, load_model, resolve_device, rng_state, seed_everything, set_cpu_threads, set_rng_state,
@@ -42,6 +43,8 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     compile_decode: bool = False  # CUDA only: capture the decode step with torch.compile
+    dynamic_sampling: bool = False  # DAPO: replace groups whose rewards are all equal with new questions
+    dynamic_sampling_max_rounds: int = 3  # rollout rounds per step at most; then train on the groups found
 
 
 @dataclass
@@ -97,7 +100,8 @@ class TrainConfig:
                 f"the {questions} questions per step must split evenly over {distributed.world_size()} ranks"
             )
         for key, value in (("optim.num_steps", self.optim.num_steps), ("optim.micro_batch_size", self.optim.micro_batch_size),
-                           ("rollout.max_gen_len", rollout.max_gen_len)):
+                           ("rollout.max_gen_len", rollout.max_gen_len),
+                           ("rollout.dynamic_sampling_max_rounds", rollout.dynamic_sampling_max_rounds)):
             if value < 1:
                 raise config_lib.ConfigError(f"{key} must be >= 1, got {value}")
         if self.distributed.fsdp and self.optim.memory_efficient_adamw:
@@ -108,6 +112,12 @@ class TrainConfig:
             # but filtering leaves ranks with different numbers of micro-batches.
             raise config_lib.ConfigError("distributed.fsdp needs the same number of episodes on every rank; "
                                          "set optim.skip_unfinished_episodes: false")
+        if self.distributed.fsdp and rollout.dynamic_sampling:  # rounds and kept groups differ between ranks
+            raise config_lib.ConfigError("distributed.fsdp needs the same rollouts on every rank; "
+                                         "set rollout.dynamic_sampling: false")
+        if self.distributed.fsdp and self.loss.kl_beta:
+            raise config_lib.ConfigError("loss.kl_beta > 0 (a reference model) is not supported with distributed.fsdp "
+                                         "yet; set loss.kl_beta: 0")
 
     @property
     def questions_per_step(self) -> int:
@@ -183,6 +193,9 @@ def train(config: TrainConfig, resume: str | None = None) -> dict:
     # A checkpoint holds the policy and a copy of the tokenizer, so it is a complete model directory.
     model_dir = checkpoint_dir or Path(config.model.dir)
     model, policy = load_policy(config, model_dir, device)  # policy: what the update runs (DDP/FSDP or model)
+    reference_model = None
+    if config.loss.kl_beta:  # the KL anchor: the initial policy (model.dir, also on resume), frozen, same dtype
+        reference_model = load_model(config.model, device).requires_grad_(False).eval()
     tokenizer = Tokenizer(model_dir)
     train_set, test_set = (tasks.load_dataset(config.task, tokenizer, split) for split in ("train", "test"))
     reward_for_item = tasks.reward_function(config.task)
@@ -198,17 +211,24 @@ def train(config: TrainConfig, resume: str | None = None) -> dict:
     evaluation = functools.partial(run_evaluation, model, tokenizer, test_set, reward_for_item, config, run_logger)
     eval_metrics = evaluation(0) if config.eval.interval and start_step == 0 else {}
     for step in range(start_step + 1, config.optim.num_steps + 1):
-        batch = question_batch(train_set, step, config)
+        def sample_round(round_index: int) -> list[Episode]:  # the rollout of one round of the step's questions
+            batch = question_batch(train_set, step, config, round_index)
+            return rollout(model, tokenizer, batch, reward_for_item, config.rollout, generator, progress)
+
         rollout_start = time.perf_counter()
         model.eval()
         with distributed.full_parameters(model):
-            episodes = rollout(model, tokenizer, batch, reward_for_item, config.rollout, generator, progress)
+            episodes, train_episodes, sampling = sample_step(sample_round, config)
         rollout_seconds = time.perf_counter() - rollout_start
-        train_episodes = [e for e in episodes if e.is_finished] if config.optim.skip_unfinished_episodes else episodes
-        advantages = compute_advantages(train_episodes, config.loss)
+        if config.loss.overlong_buffer_fraction:  # DAPO: shaped for the advantages; the logged rewards stay the task's
+            train_episodes = apply_overlong_penalty(train_episodes, config.rollout.max_gen_len, config.loss)
+        if config.optim.skip_unfinished_episodes:
+            train_episodes = [e for e in train_episodes if e.is_finished]
+        advantages = compute_advantages(train_episodes, config.loss, all_ranks_rewards(train_episodes, config.loss))
         update = update_policy(policy, optimizer_step, train_episodes, advantages, global_counts(train_episodes),
-                               config.loss, config.optim, config.rollout.max_gen_len, tokenizer.pad_token_id, progress)
-        log_step(run_logger, step, episodes, update, rollout_seconds, optimizer, config)
+                               config.loss, config.optim, config.rollout.max_gen_len, tokenizer.pad_token_id, progress,
+                               reference_model)
+        log_step(run_logger, step, episodes, update, rollout_seconds, optimizer, config, sampling)
         if config.eval.interval and step % config.eval.interval == 0:
             eval_metrics = evaluation(step)
         if (config.checkpoint.interval and step % config.checkpoint.interval == 0) or step == config.optim.num_steps:
@@ -281,12 +301,42 @@ def open_run(config: TrainConfig, start_step: int) -> RunLogger | None:
 # ----------------------------------------------------------------------------- per step
 
 
-def question_batch(train_set, step: int, config: TrainConfig) -> QuestionBatch:
-    """This rank's share of the step's questions (a fixed function of the step, so runs resume exactly)."""
+def question_batch(train_set, step: int, config: TrainConfig, round_index: int = 0) -> QuestionBatch:
+    """This rank's share of the step's questions (a fixed function of the step, so runs resume exactly).
+
+    Dynamic sampling's extra rounds (round_index >= 1) draw from a second shuffle of the training set,
+    also a fixed function of (step, round); round 0 asks the same questions as a run without it.
+    """
     questions = config.questions_per_step // distributed.world_size()
-    indices = step_indices(step - 1, config.questions_per_step, len(train_set), config.seed)
+    if round_index == 0:
+        indices = step_indices(step - 1, config.questions_per_step, len(train_set), config.seed)
+    else:
+        extra_round = (step - 1) * (config.rollout.dynamic_sampling_max_rounds - 1) + round_index - 1
+        indices = step_indices(extra_round, config.questions_per_step, len(train_set), config.seed + 1)
     return make_batch(train_set, indices[distributed.rank() * questions : (distributed.rank() + 1) * questions],
                       config.rollout.max_prompt_len)
+
+
+def sample_step(sample_round, config: TrainConfig) -> tuple[list[Episode], list[Episode], dict[str, float]]:
+    """(every sampled episode, the ones to train on, metrics): the step's questions, or with
+    rollout.dynamic_sampling, rounds of new questions until enough groups have rewards that differ."""
+    if not config.rollout.dynamic_sampling:
+        episodes = sample_round(0)
+        return episodes, episodes, {}
+    questions = config.questions_per_step // distributed.world_size()
+    max_rounds = config.rollout.dynamic_sampling_max_rounds
+    kept, episodes, rounds = sample_informative_groups(sample_round, questions, max_rounds)
+    return episodes, kept, {
+        "train/dynamic_sampling_rounds": distributed.global_max(rounds),
+        "train/questions_sampled": distributed.global_sum(len(episodes)) / config.rollout.num_answers_per_question,
+    }
+
+
+def all_ranks_rewards(episodes: list[Episode], loss: LossConfig) -> list[float] | None:
+    """Every rank's rewards, for loss.std_scope "batch" (the std over the whole batch); else None."""
+    if not (loss.std_normalization and loss.std_scope == "batch"):
+        return None
+    return [reward for rank_rewards in distributed.all_gather([e.reward for e in episodes]) for reward in rank_rewards]
 
 
 def global_counts(episodes: list[Episode]) -> tuple[int, int]:
@@ -297,7 +347,7 @@ def global_counts(episodes: list[Episode]) -> tuple[int, int]:
 
 
 def log_step(run_logger, step: int, episodes: list[Episode], update: dict, rollout_seconds: float, optimizer,
-             config: TrainConfig) -> None:
+             config: TrainConfig, sampling: dict[str, float]) -> None:
     """All ranks' episodes and update sums into the console line and TensorBoard (rank 0 writes)."""
     update = all_ranks_update_metrics(update)
     episodes = [episode for rank_episodes in distributed.all_gather(episodes) for episode in rank_episodes]
@@ -310,7 +360,11 @@ def log_step(run_logger, step: int, episodes: list[Episode], update: dict, rollo
         "train/learning_rate": optimizer.param_groups[0]["lr"],
         "time/rollout_seconds": rollout_seconds,
         "time/generated_tokens_per_second": generated_tokens / rollout_seconds,
+        **sampling,
     }
+    if config.loss.overlong_buffer_fraction:  # over every sampled answer, as the other reward metrics
+        metrics["reward/overlong_penalty"] = sum(overlong_penalty(e.num_generated_tokens, config.rollout.max_gen_len,
+                                                                  config.loss) for e in episodes) / len(episodes)
     run_logger.scalars(metrics, step)
     logger.info("step %d | reward %.3f | success %.3f | format %.3f | loss %.4f | grad %.3f | entropy %.3f | "
                 "len %.0f | rollout %.1fs (%.0f tok/s) | update %.1fs", step, metrics["reward/mean"],
@@ -326,7 +380,8 @@ def all_ranks_update_metrics(update: dict) -> dict[str, float]:
     """update_metrics over every rank's update_policy sums (empty if the update was skipped)."""
     if not update:
         return {}
-    return update_metrics({**update, **distributed.global_sums({key: update[key] for key in UPDATE_SUMS}),
+    sums = {key: update[key] for key in UPDATE_SUMS if key in update}  # kl_sum only with a KL term
+    return update_metrics({**update, **distributed.global_sums(sums),
                            "ratio_max": distributed.global_max(update["ratio_max"])})
 
 

@@ -1,0 +1,436 @@
+"""The GRPO variants (DAPO, GSPO, Dr. GRPO, per-batch std, KL to a reference) against values computed by hand."""
+
+import copy
+import logging
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import ablate
+import tasks
+import train
+from config import ConfigError
+from data_types import Episode
+from distributed import OptimizerStep
+from grpo import (LossConfig, apply_overlong_penalty, compute_advantages, k3_kl, overlong_penalty,
+                  sample_informative_groups, surrogate_token_losses, update_metrics, update_policy)
+from qwen2_model import Transformer
+from train import OptimConfig
+from test_grpo import (TOKEN, assert_same_parameters, expected_sgd_update, per_token_log_probs, policy,  # noqa: F401
+                       sample_episodes)
+from test_train import countdown_dir, digit_reward, read_scalars, tiny_config  # noqa: F401 (fixtures)
+
+VARIANTS = Path(__file__).resolve().parents[1] / "configs" / "variants"
+# docs/variants.md's table: each preset's changes to plain GRPO.
+PRESETS = {
+    "baseline": {},
+    "batch_std": {"loss.std_scope": "batch"},
+    "dapo": {"rollout.dynamic_sampling": True, "rollout.dynamic_sampling_max_rounds": 3, "loss.aggregation": "token",
+             "loss.epochs_per_rollout": 2, "loss.clip": "ppo", "loss.clip_range": 0.2, "loss.clip_range_high": 0.28,
+             "loss.overlong_buffer_fraction": 0.2, "loss.overlong_penalty_factor": 1.0},
+    "dr_grpo": {"loss.std_normalization": False, "loss.aggregation": "constant", "loss.aggregation_constant": None},
+    "grpo_kl": {"loss.kl_beta": 0.04},
+    "gspo": {"loss.importance_sampling": "sequence", "loss.aggregation": "sequence", "loss.epochs_per_rollout": 2,
+             "loss.clip": "ppo", "loss.clip_range": 3e-4, "loss.clip_range_high": 4e-4},
+    "ppo_k2": {"loss.epochs_per_rollout": 2, "loss.clip": "ppo"},
+}
+
+
+def make_episode(question_index, reward, num_tokens=1, text=""):
+    return Episode(question_index, "", [1], [2] * num_tokens, text, True, reward, {"format_reward": 0.1})
+
+
+def log(values):
+    return torch.log(torch.tensor(values, dtype=torch.float64))
+
+
+# ----------------------------------------------------------------------------- every switch off
+
+
+def test_defaults_are_the_plain_grpo_formulas_bit_for_bit():
+    generator = torch.Generator().manual_seed(0)
+    log_probs, old = -torch.rand(3, 5, generator=generator), -torch.rand(3, 5, generator=generator)
+    advantages = torch.randn(3, 1, generator=generator)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    losses, ratio, clipped = surrogate_token_losses(log_probs, old, advantages, LossConfig(), mask)
+    assert torch.equal(losses, -(torch.exp(log_probs - old) * advantages)) and not clipped.any()
+    losses, _, _ = surrogate_token_losses(log_probs, old, advantages, LossConfig(clip="ppo", clip_range=0.1), mask)
+    plain_ratio = torch.exp(log_probs - old)
+    assert torch.equal(losses, -torch.minimum(plain_ratio * advantages, plain_ratio.clamp(0.9, 1.1) * advantages))
+
+    rewards = [1.1, 0.1, 0.0, 0.3, 1.0, 1.1]
+    episodes = [make_episode(i // 3, r) for i, r in enumerate(rewards)]
+    expected = []
+    for group in (rewards[:3], rewards[3:]):
+        group = torch.tensor(group, dtype=torch.float64)
+        expected += ((group - group.mean()) / (group.std(correction=0) + 1e-4)).tolist()
+    assert compute_advantages(episodes, LossConfig()) == expected  # exact, not approximate
+
+
+# ----------------------------------------------------------------------------- clip-higher (DAPO)
+
+
+def test_clip_higher_moves_only_the_upper_boundary():
+    ratios = [0.7, 0.81, 1.0, 1.19, 1.21, 1.27, 1.29]
+    log_probs, old = log(ratios)[None], torch.zeros(1, len(ratios), dtype=torch.float64)
+    positive, negative = torch.ones(1, 1, dtype=torch.float64), -torch.ones(1, 1, dtype=torch.float64)
+    symmetric = LossConfig(clip="ppo", clip_range=0.2)
+    higher = LossConfig(clip="ppo", clip_range=0.2, clip_range_high=0.28)
+
+    # A > 0: only the upper bound binds: min(r, clip(r)) caps r at 1.2 (symmetric) or 1.28 (clip-higher).
+    losses, _, clipped = surrogate_token_losses(log_probs, old, positive, symmetric)
+    assert (-losses[0]).tolist() == pytest.approx([0.7, 0.81, 1.0, 1.19, 1.2, 1.2, 1.2])
+    assert clipped[0].tolist() == [False, False, False, False, True, True, True]
+    losses, _, clipped = surrogate_token_losses(log_probs, old, positive, higher)
+    assert (-losses[0]).tolist() == pytest.approx([0.7, 0.81, 1.0, 1.19, 1.21, 1.27, 1.28])
+    assert clipped[0].tolist() == [False, False, False, False, False, False, True]
+
+    # A < 0: only the lower bound 0.8 binds, the same in both.
+    for config in (symmetric, higher):
+        losses, _, clipped = surrogate_token_losses(log_probs, old, negative, config)
+        assert losses[0].tolist() == pytest.approx([0.8, 0.81, 1.0, 1.19, 1.21, 1.27, 1.29])
+        assert clipped[0].tolist() == [True, False, False, False, False, False, False]
+
+
+def test_clipped_tokens_get_no_gradient():
+    log_probs = log([1.25, 1.29, 0.7])[None].requires_grad_()
+    old = torch.zeros(1, 3, dtype=torch.float64)
+    advantages = torch.tensor([[2.0]], dtype=torch.float64)
+    losses, _, _ = surrogate_token_losses(log_probs, old, advantages, LossConfig(clip="ppo", clip_range_high=0.28))
+    losses.sum().backward()
+    # d(-r A)/d log p = -r A where not clipped; 1.29 is above 1 + 0.28.
+    assert log_probs.grad[0].tolist() == pytest.approx([-2.5, 0.0, -1.4])
+
+
+# ----------------------------------------------------------------------------- GSPO's sequence-level ratio
+
+
+def test_sequence_ratio_is_the_geometric_mean_over_generated_tokens():
+    # Row 0: token ratios 2, 0.5, 4 -> (2 x 0.5 x 4)^(1/3) = 4^(1/3). Row 1: 1.1, 1.0 and a padded position.
+    log_probs = torch.stack([log([2.0, 0.5, 4.0]), log([1.1, 1.0, 100.0])])
+    old = torch.zeros(2, 3, dtype=torch.float64)
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    advantages = torch.tensor([[1.0], [-2.0]], dtype=torch.float64)
+    config = LossConfig(importance_sampling="sequence")
+    losses, ratio, clipped = surrogate_token_losses(log_probs, old, advantages, config, mask)
+    assert ratio[0].tolist() == pytest.approx([4 ** (1 / 3)] * 3)
+    assert ratio[1, :2].tolist() == pytest.approx([math.sqrt(1.1)] * 2)
+    assert losses[0].tolist() == pytest.approx([-(4 ** (1 / 3))] * 3)
+    assert losses[1, :2].tolist() == pytest.approx([2 * math.sqrt(1.1)] * 2)
+    assert not clipped.any()
+
+
+def test_sequence_ratio_clip_and_gradient():
+    log_probs = torch.stack([log([2.0, 0.5, 4.0]), log([1.1, 1.0, 100.0])]).requires_grad_()
+    old = torch.zeros(2, 3, dtype=torch.float64)
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    advantages = torch.tensor([[1.0], [1.0]], dtype=torch.float64)
+    config = LossConfig(importance_sampling="sequence", clip="ppo", clip_range=0.2, clip_range_high=0.28)
+    losses, _, clipped = surrogate_token_losses(log_probs, old, advantages, config, mask)
+    # Row 0: s = 1.587 > 1.28 with A > 0: every token clipped, objective 1.28, no gradient.
+    assert clipped[0].tolist() == [True, True, True] and losses[0].tolist() == pytest.approx([-1.28] * 3)
+    assert not clipped[1, :2].any()
+    # Sequence aggregation: each answer's token losses averaged, so the answer's loss is -s A.
+    per_answer = (losses * mask).sum(-1) / mask.sum(-1)
+    per_answer.sum().backward()
+    # d(-s A)/d log p_t = -s A / |y|: every token of an answer gets the same share; padding none.
+    assert log_probs.grad[0].tolist() == [0.0, 0.0, 0.0]
+    assert log_probs.grad[1].tolist() == pytest.approx([-math.sqrt(1.1) / 2, -math.sqrt(1.1) / 2, 0.0])
+
+
+# ----------------------------------------------------------------------------- reward scaling (Dr. GRPO, per batch)
+
+
+def test_advantage_scaling_per_group_per_batch_and_none():
+    rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]  # group means 1/3 and 2/3; group std sqrt(2)/3; batch std 1/2
+    episodes = [make_episode(i // 3, r) for i, r in enumerate(rewards)]
+    centered = [2 / 3, -1 / 3, -1 / 3, 1 / 3, 1 / 3, -2 / 3]
+    group = compute_advantages(episodes, LossConfig())
+    assert group == pytest.approx([c / (math.sqrt(2) / 3 + 1e-4) for c in centered], abs=1e-12)
+    batch = compute_advantages(episodes, LossConfig(std_scope="batch"))
+    assert batch == pytest.approx([c / (0.5 + 1e-4) for c in centered], abs=1e-12)
+    none = compute_advantages(episodes, LossConfig(std_normalization=False, std_scope="batch"))
+    assert none == pytest.approx(centered, abs=1e-12)
+
+
+def test_batch_std_uses_the_configured_estimator():
+    rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]  # batch: 3 of 6 deviations of 1/2 each way; sample std sqrt(1.5 / 5)
+    episodes = [make_episode(i // 3, r) for i, r in enumerate(rewards)]
+    centered = [2 / 3, -1 / 3, -1 / 3, 1 / 3, 1 / 3, -2 / 3]
+    sample = compute_advantages(episodes, LossConfig(std_scope="batch", std_estimator="sample"))
+    assert sample == pytest.approx([c / (math.sqrt(0.3) + 1e-4) for c in centered], abs=1e-12)
+
+
+def test_batch_std_keeps_all_equal_groups_at_zero():
+    # Batch mean 0.5, deviations 0, 0, 0.5, -0.5: batch std sqrt(0.5 / 4). The first group's rewards are equal.
+    episodes = [make_episode(i // 2, r) for i, r in enumerate([0.5, 0.5, 1.0, 0.0])]
+    std = math.sqrt(0.125) + 1e-4
+    assert compute_advantages(episodes, LossConfig(std_scope="batch")) == pytest.approx([0.0, 0.0, 0.5 / std, -0.5 / std])
+
+
+# ----------------------------------------------------------------------------- overlong reward shaping (DAPO)
+
+
+@pytest.mark.parametrize("num_tokens, penalty", [(20, 0.0), (48, 0.0), (49, 1 / 16), (56, 0.5), (63, 15 / 16), (64, 1.0)])
+def test_overlong_penalty_ramps_linearly_over_the_last_tokens(num_tokens, penalty):
+    config = LossConfig(overlong_buffer_fraction=0.25)  # L = 16 of max_gen_len 64: the ramp starts after token 48
+    assert overlong_penalty(num_tokens, 64, config) == pytest.approx(penalty)
+    half = LossConfig(overlong_buffer_fraction=0.25, overlong_penalty_factor=0.5)
+    assert overlong_penalty(num_tokens, 64, half) == pytest.approx(penalty / 2)
+    assert overlong_penalty(num_tokens, 64, LossConfig()) == 0.0
+
+
+def test_overlong_penalty_comes_off_the_reward_and_is_recorded():
+    episodes = [make_episode(0, 1.1, num_tokens=10), make_episode(0, 1.1, num_tokens=60)]
+    shaped = apply_overlong_penalty(episodes, 64, LossConfig(overlong_buffer_fraction=0.25))
+    assert [e.reward for e in shaped] == pytest.approx([1.1, 1.1 - 0.75])
+    assert [e.reward_info for e in shaped] == [{"format_reward": 0.1, "overlong_penalty": 0.0},
+                                               {"format_reward": 0.1, "overlong_penalty": 0.75}]
+    assert episodes[1].reward == 1.1 and "overlong_penalty" not in episodes[1].reward_info  # inputs untouched
+    # The same rewards but different lengths now have different advantages.
+    assert compute_advantages(shaped, LossConfig(std_normalization=False)) == pytest.approx([0.375, -0.375])
+
+
+# ----------------------------------------------------------------------------- KL to a reference (k3)
+
+
+def test_k3_value_and_gradient_by_hand():
+    log_probs = log([0.5, 0.2, 0.3]).requires_grad_()
+    reference = log([0.25, 0.2, 0.6])
+    kl = k3_kl(log_probs, reference)
+    # r = p_ref / p = 0.5, 1, 2: k3 = r - log r - 1.
+    assert kl.tolist() == pytest.approx([0.5 + math.log(2) - 1, 0.0, 1 - math.log(2)])
+    kl.sum().backward()
+    # d k3 / d log p = 1 - r: the policy is pulled up where the reference is likelier, down where it is not.
+    assert log_probs.grad.tolist() == pytest.approx([0.5, 0.0, -1.0])
+
+
+def test_k3_averaged_over_the_policy_is_the_exact_kl():
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+    q = torch.tensor([0.25, 0.25, 0.25, 0.25], dtype=torch.float64)
+    exact = sum(pi * math.log(pi / qi) for pi, qi in zip(p.tolist(), q.tolist()))
+    assert (p * k3_kl(p.log(), q.log())).sum().item() == pytest.approx(exact, abs=1e-12)
+    assert (k3_kl(p.log(), q.log()) >= 0).all()
+
+
+# ----------------------------------------------------------------------------- the variants inside update_policy
+
+
+def sgd_update(model, episodes, config, reference_model=None):
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    counts = (len(episodes), sum(e.num_generated_tokens for e in episodes))
+    update = update_policy(model, OptimizerStep(model, optimizer, max_grad_norm=1e9), episodes,
+                           compute_advantages(episodes, config), counts, config,
+                           OptimConfig(micro_batch_size=2, logprob_chunk_size=4), 16, 0, reference_model=reference_model)
+    return model, update_metrics(update)
+
+
+def perturbed(model, scale=0.05):
+    reference = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in reference.parameters():
+            param += scale * torch.randn(param.shape, generator=generator)
+    return reference
+
+
+def test_kl_penalty_in_the_update_equals_the_hand_gradient(policy):
+    episodes = sample_episodes()
+    reference = perturbed(policy)
+    config = LossConfig(kl_beta=0.5)
+    advantages = compute_advantages(episodes, config)
+    with torch.no_grad():
+        reference_log_probs = [per_token_log_probs(reference, e) for e in episodes]
+        expected_kl = sum(k3_kl(per_token_log_probs(policy, e), r).sum() for e, r in zip(episodes, reference_log_probs))
+
+    def hand_loss(model):  # token aggregation: every generated token weighs 1 / (all generated tokens)
+        total = 0.0
+        for index, episode in enumerate(episodes):
+            log_probs = per_token_log_probs(model, episode)
+            ratio = torch.exp(log_probs - log_probs.detach())
+            kl = torch.exp(reference_log_probs[index] - log_probs) - (reference_log_probs[index] - log_probs) - 1
+            total = total + TOKEN(episode, episodes) * (-(ratio * advantages[index]) + 0.5 * kl).sum()
+        return total
+
+    updated, metrics = sgd_update(policy, episodes, config, reference)
+    expected, expected_loss = expected_sgd_update(policy, hand_loss)
+    assert_same_parameters(updated, expected)
+    assert metrics["loss"] == pytest.approx(expected_loss, abs=1e-6)
+    assert metrics["kl"] == pytest.approx(expected_kl.item() / sum(e.num_generated_tokens for e in episodes), rel=1e-5)
+    assert metrics["kl"] > 0
+    with pytest.raises(ValueError, match="reference model"):
+        sgd_update(policy, episodes, config)
+
+
+def test_gspo_with_clip_higher_over_two_epochs_equals_the_hand_gradient(policy):
+    episodes = sample_episodes()
+    config = LossConfig(importance_sampling="sequence", aggregation="sequence", epochs_per_rollout=2, clip="ppo",
+                        clip_range=0.3, clip_range_high=0.5)
+    advantages = compute_advantages(episodes, config)
+    with torch.no_grad():
+        sampling_log_probs = [per_token_log_probs(policy, e) for e in episodes]
+
+    # SGD at lr 0.1 moves the tiny policy far: after the first step the answers' ratios s are about 2.8, 0.78,
+    # 0.27, 1.32, 0.68, 0.45, so the second step clips some answers, and 1.32 (A > 0) only with clip-higher.
+    def hand_loss(model):  # GSPO: -(1/N) sum_i min(s_i A_i, clip(s_i, 1 - 0.3, 1 + 0.5) A_i)
+        total = 0.0
+        for index, episode in enumerate(episodes):
+            s = torch.exp((per_token_log_probs(model, episode) - sampling_log_probs[index]).mean())
+            objective = torch.minimum(s * advantages[index], s.clamp(0.7, 1.5) * advantages[index])
+            total = total - objective / len(episodes)
+        return total
+
+    after_first, _ = expected_sgd_update(policy, hand_loss)
+    expected, _ = expected_sgd_update(after_first, hand_loss)
+    updated, metrics = sgd_update(policy, episodes, config)
+    assert_same_parameters(updated, expected, atol=1e-5)
+    assert metrics["ratio_max"] > 1.0
+
+
+# ----------------------------------------------------------------------------- dynamic sampling (DAPO)
+
+
+def scripted_rounds(rounds_of_group_rewards):
+    """A `sample_round` that plays back groups of rewards, and records which rounds were asked for."""
+    calls = []
+
+    def sample_round(round_index):
+        calls.append(round_index)
+        groups = rounds_of_group_rewards[round_index]
+        return [make_episode(q, r, text=f"round {round_index} group {q}") for q, rewards in enumerate(groups)
+                for r in rewards]
+
+    return sample_round, calls
+
+
+def test_dynamic_sampling_refills_with_informative_groups():
+    sample_round, calls = scripted_rounds([[[1, 1], [0, 1], [0, 0]], [[1, 0], [0.5, 0.5], [1, 0.1]]])
+    kept, sampled, rounds = sample_informative_groups(sample_round, num_groups=3, max_rounds=5)
+    assert calls == [0, 1] and rounds == 2 and len(sampled) == 12
+    assert [e.text for e in kept] == ["round 0 group 1"] * 2 + ["round 1 group 0"] * 2 + ["round 1 group 2"] * 2
+    assert [e.question_index for e in kept] == [0, 0, 1, 1, 2, 2]  # one group per question index again
+    assert [e.reward for e in kept] == [0, 1, 1, 0, 1, 0.1]
+
+
+def test_dynamic_sampling_stops_when_full_and_keeps_exactly_the_configured_groups():
+    sample_round, calls = scripted_rounds([[[0, 1], [1, 0], [0, 1]], [[0, 1]]])
+    kept, sampled, rounds = sample_informative_groups(sample_round, num_groups=2, max_rounds=5)
+    assert calls == [0] and rounds == 1 and len(sampled) == 6
+    assert [e.text for e in kept] == ["round 0 group 0"] * 2 + ["round 0 group 1"] * 2
+
+
+def test_dynamic_sampling_cap_trains_on_what_it_has(caplog):
+    sample_round, calls = scripted_rounds([[[0, 0], [1, 0]], [[1, 1], [0, 0]], [[0, 1], [0, 1]]])
+    with caplog.at_level(logging.WARNING):
+        kept, sampled, rounds = sample_informative_groups(sample_round, num_groups=2, max_rounds=2)
+    assert calls == [0, 1] and rounds == 2 and len(sampled) == 8
+    assert [e.text for e in kept] == ["round 0 group 1"] * 2
+    assert "1 of 2 groups" in caplog.text
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"clip": "ppo", "clip_range_high": 0.0}, "loss.clip_range_high"),
+    ({"clip": "ppo", "clip_range_high": 10.0}, "loss.clip_range_high"),
+    ({"clip_range_high": 0.28}, "loss.clip: ppo"),
+    ({"overlong_buffer_fraction": -0.1}, "loss.overlong_buffer_fraction"),
+    ({"overlong_buffer_fraction": 1.0}, "loss.overlong_buffer_fraction"),
+    ({"overlong_penalty_factor": 0.0}, "loss.overlong_penalty_factor"),
+    ({"kl_beta": -0.01}, "loss.kl_beta"),
+    ({"epochs_per_rollout": 0}, "loss.epochs_per_rollout"),
+])
+def test_bad_values_are_config_errors(values, message):
+    with pytest.raises(ConfigError, match=message):
+        LossConfig(**values).validate()
+
+
+def test_bad_variant_value_stops_train_py_with_a_config_error():
+    with pytest.raises(SystemExit, match="config error: loss.kl_beta must be >= 0"):
+        train.main(["--config", "config_cpu.yaml", "--set", "loss.kl_beta=-1"])
+    with pytest.raises(SystemExit, match="config error: rollout.dynamic_sampling_max_rounds must be >= 1"):
+        train.main(["--config", "config_cpu.yaml", "--set", "rollout.dynamic_sampling_max_rounds=0"])
+
+
+# ----------------------------------------------------------------------------- presets and train.py end to end
+
+
+@pytest.mark.parametrize("base", ["config.yaml", "config_cpu.yaml", "configs/gsm8k.yaml"])
+def test_every_preset_is_its_document_row_and_validates_on_the_base(base, tmp_path):
+    experiments = ablate.load_experiments(VARIANTS, VARIANTS.parents[1] / base, [], tmp_path)
+    assert {experiment.name: experiment.changes for experiment in experiments} == PRESETS
+
+
+def preset_overrides(name: str) -> list[str]:
+    return [f"{key}={value if value is not None else 'null'}" for key, value in PRESETS[name].items()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_each_preset_trains_two_steps_through_train_py(name, tmp_path, tiny_model_dir, countdown_dir, digit_reward):
+    config = tiny_config(tmp_path, tiny_model_dir, countdown_dir, *preset_overrides(name), "optim.num_steps=2",
+                         "eval.interval=0", "checkpoint.interval=0")
+    train.train(config)
+    scalars = read_scalars(tmp_path / "logs" / "tiny")
+    assert [step for step, _ in scalars["train/loss"]] == [1, 2]
+    assert all(math.isfinite(value) for _, value in scalars["train/loss"] + scalars["train/grad_norm"])
+    if name == "dapo":
+        rounds = [value for _, value in scalars["train/dynamic_sampling_rounds"]]
+        assert all(1 <= r <= 3 for r in rounds)  # each round asks the step's 2 questions
+        assert [value for _, value in scalars["train/questions_sampled"]] == [2 * r for r in rounds]
+        assert "reward/overlong_penalty" in scalars
+    if name == "grpo_kl":  # step 1 starts from the reference itself: KL exactly 0; after an update it is not
+        kl = [value for _, value in scalars["train/kl"]]
+        assert kl[0] == 0.0 and kl[1] > 0
+    else:
+        assert "train/kl" not in scalars
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_draws_new_questions_until_the_cap(tmp_path, tiny_model_dir, countdown_dir, monkeypatch):
+    """Only questions with an even target can give rewards that differ within a group: the others are replaced."""
+    scored = []  # (target, reward) of every answer, in sampling order
+
+    def reward_for_item(response, item, end_token):
+        digits = sum(character.isdigit() for character in response) / max(len(response), 1)
+        scored.append((item["target"], digits if item["target"] % 2 == 0 else 0.0))
+        return {"reward": scored[-1][1], "reward_info": {"format_reward": 0.0, "answer_reward": 0.0}}
+
+    monkeypatch.setattr(tasks, "reward_function", lambda task_config: reward_for_item)
+    config = tiny_config(tmp_path, tiny_model_dir, countdown_dir, "rollout.dynamic_sampling=true",
+                         "rollout.dynamic_sampling_max_rounds=4", "rollout.episodes_per_step=12", "optim.num_steps=1",
+                         "eval.interval=0", "checkpoint.interval=0")
+    train.train(config)
+    scalars = read_scalars(tmp_path / "logs" / "tiny")
+    groups = [scored[i : i + 3] for i in range(0, len(scored), 3)]  # 3 answers per question, 4 questions a round
+    informative = [len({reward for _, reward in group}) > 1 for group in groups]
+    # Rounds go on while fewer than 4 groups had different rewards, at most 4 rounds.
+    expected_rounds = next((r for r in range(1, 5) if sum(informative[: 4 * r]) >= 4), 4)
+    assert len(groups) == 4 * expected_rounds
+    assert scalars["train/dynamic_sampling_rounds"] == [(1, expected_rounds)]
+    assert scalars["train/questions_sampled"] == [(1, 4 * expected_rounds)]
+    assert expected_rounds > 1  # this seed needs a refill, so the test checks one
+    round_questions = {tuple(group[0][0] for group in groups[r : r + 4]) for r in range(0, len(groups), 4)}
+    assert len(round_questions) == expected_rounds  # every round asked different questions
+
+
+@pytest.mark.slow
+def test_resume_with_dynamic_sampling_and_kl_equals_uninterrupted_run(tmp_path, tiny_model_dir, countdown_dir,
+                                                                       digit_reward):
+    """Extra rounds' questions are a function of (step, round), and the reference is model.dir, not the checkpoint."""
+    variants = ("rollout.dynamic_sampling=true", "loss.kl_beta=0.5", "eval.interval=0")
+    train.train(tiny_config(tmp_path / "full", tiny_model_dir, countdown_dir, *variants, "optim.num_steps=4"))
+    train.train(tiny_config(tmp_path / "cut", tiny_model_dir, countdown_dir, *variants, "optim.num_steps=2"))
+    resumed_config = tiny_config(tmp_path / "cut", tiny_model_dir, countdown_dir, *variants, "optim.num_steps=4")
+    train.train(resumed_config, resume=str(tmp_path / "cut" / "checkpoints" / "tiny"))
+    full = Transformer.from_pretrained(tmp_path / "full" / "checkpoints" / "tiny" / "step_000004", dtype=torch.float32)
+    resumed = Transformer.from_pretrained(tmp_path / "cut" / "checkpoints" / "tiny" / "step_000004", dtype=torch.float32)
+    for (name, a), b in zip(full.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+    full_scalars = read_scalars(tmp_path / "full" / "logs" / "tiny")
+    assert max(value for _, value in full_scalars["train/dynamic_sampling_rounds"]) > 1  # a refill happened
+    assert all(value > 0 for step, value in full_scalars["train/kl"] if step > 1)
