@@ -66,7 +66,7 @@ def load_experiments(directory, base_path, overrides: list[str], out_dir) -> lis
                       "checkpoint": {"dir": str(Path(out_dir) / "checkpoints")}}
         try:
             config = config_lib.build(train.TrainConfig, config_lib.merge(config_lib.merge(base, changes), suite_keys))
-        except ValueError as error:  # ConfigError, or a section's own validate()
+        except config_lib.ConfigError as error:
             raise config_lib.ConfigError(f"{path}: {error}") from None
         experiments.append(Experiment(path.stem, flatten(changes), config))
     return experiments
@@ -197,8 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     out_dir = args.out or Path("artifacts") / "ablations" / Path(args.base).stem
     try:
         rows = run_suite(args.directory, args.base, args.set, out_dir, args.force)
-    except config_lib.ConfigError as error:
-        raise SystemExit(f"config error: {error}") from None
+    except config_lib.InputError as error:  # config, data, or the output directory in use: one line, exit code 2
+        config_lib.exit_on_input_error(error)
     logger.info("%d experiments; results in %s", len(rows), Path(out_dir) / "results.md")
 
 

@@ -15,6 +15,7 @@ from typing import Callable, Literal
 import torch
 from tqdm import tqdm
 
+import config as config_lib
 import distributed
 from data_types import Episode, QuestionBatch
 from generation import generate
@@ -36,10 +37,10 @@ class LossConfig:
     clip_range: float = 0.2
 
     def validate(self) -> None:
-        if self.epochs_per_rollout < 1:
-            raise ValueError(f"loss.epochs_per_rollout must be >= 1, got {self.epochs_per_rollout}")
-        if not 0 < self.clip_range < 1:
-            raise ValueError(f"loss.clip_range must be in (0, 1), got {self.clip_range}")
+        config_lib.above(self, "advantage_eps", 0)  # < 0 can flip advantage signs; 0 gives 0/0 in equal groups
+        config_lib.at_least(self, "aggregation_constant", 1)
+        config_lib.at_least(self, "epochs_per_rollout", 1)
+        config_lib.within(self, "clip_range", 0, 1, "()")
 
 
 def rollout(

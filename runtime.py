@@ -9,6 +9,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+import config as config_lib
 from qwen2_model import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -57,6 +58,9 @@ class ModelSetup:
     dir: str = "Qwen2.5-3B-Instruct"  # a Hugging Face model directory
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     gradient_checkpointing: bool = True
+
+    def validate(self) -> None:
+        config_lib.paths(self, "dir")
 
 
 def load_model(setup: ModelSetup, device: torch.device, model_dir=None) -> Transformer:

@@ -9,6 +9,7 @@ from typing import Literal
 
 import torch
 
+import config as config_lib
 import countdown_task
 import gsm8k_task
 
@@ -19,6 +20,10 @@ class TaskConfig:
     data_dir: str = "Countdown-Tasks-3to4"
     test_size: int = 128  # countdown: the last rows held out for evaluation
     prompt_template: str = "reasoning"  # gsm8k: prompts/<name>.txt or a file path
+
+    def validate(self) -> None:
+        config_lib.paths(self, "data_dir", "prompt_template")
+        config_lib.at_least(self, "test_size", 1)  # an empty test split would make every evaluation 0/0
 
 
 def load_dataset(config: TaskConfig, tokenizer, split: str) -> torch.utils.data.Dataset:

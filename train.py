@@ -18,13 +18,13 @@ import checkpoint
 import config as config_lib
 import distributed
 import tasks
-from bootstrap import BootstrapConfig, prepare_missing_inputs
+from bootstrap import BootstrapConfig, check_inputs, prepare_missing_inputs
 from data_types import Episode, QuestionBatch
 from distributed import DistributedConfig
 from evaluate import EvalConfig, evaluate
 from grpo import LossConfig, rollout, update_policy
 from optimizer import MemoryEfficientAdamW
-from run_logging import LoggingConfig, RunLogger
+from run_logging import LoggingConfig, RunLogger, show_progress
 from runtime import (ModelSetup, load_model, resolve_device, rng_state, seed_everything, set_cpu_threads, set_rng_state,
                      step_indices)
 from tokenizer import Tokenizer
@@ -42,6 +42,12 @@ class RolloutConfig:
     top_p: float = 1.0
     compile_decode: bool = False  # CUDA only: capture the decode step with torch.compile
 
+    def validate(self) -> None:
+        for name in ("episodes_per_step", "num_answers_per_question", "max_prompt_len", "max_gen_len"):
+            config_lib.at_least(self, name, 1)
+        config_lib.above(self, "temperature", 0)  # 0 would make every group's answers equal: no signal
+        config_lib.within(self, "top_p", 0, 1, "(]")
+
 
 @dataclass
 class OptimConfig:
@@ -56,11 +62,27 @@ class OptimConfig:
     memory_efficient_adamw: bool = False  # keep AdamW's moments in CPU memory
     logprob_chunk_size: int = 256  # sequence positions per lm_head chunk in the update
 
+    def validate(self) -> None:
+        for name in ("num_steps", "micro_batch_size", "logprob_chunk_size"):
+            config_lib.at_least(self, name, 1)
+        config_lib.above(self, "learning_rate", 0)
+        config_lib.at_least(self, "weight_decay", 0)
+        config_lib.betas(self)
+        config_lib.above(self, "eps", 0)
+        config_lib.above(self, "max_grad_norm", 0)  # < 0 reverses the update, 0 zeroes it
+
 
 @dataclass
 class CheckpointConfig:
     dir: str = "checkpoints"  # checkpoints go to <dir>/<run_name>/step_NNNNNN
     interval: int = 100  # steps between checkpoints (0: only at the end)
+    keep_last: int | None = 3  # keep the newest K checkpoints of the run (and the newest resumable one); null: all
+    optimizer_state: bool = True  # false: steps before the last save weights only (~1/3 the disk), not resumable
+
+    def validate(self) -> None:
+        config_lib.paths(self, "dir")
+        config_lib.at_least(self, "interval", 0)
+        config_lib.at_least(self, "keep_last", 1)
 
 
 @dataclass
@@ -82,6 +104,9 @@ class TrainConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def validate(self) -> None:
+        config_lib.common_run_keys(self)
+        config_lib.check(self.eval.max_questions != 0, "eval.max_questions", "must be >= 1 or null (all); "
+                         "eval.interval: 0 turns evaluation off", self.eval.max_questions)
         rollout = self.rollout
         if rollout.episodes_per_step % rollout.num_answers_per_question:
             raise config_lib.ConfigError(
@@ -95,10 +120,6 @@ class TrainConfig:
             raise config_lib.ConfigError(
                 f"the {questions} questions per step must split evenly over {distributed.world_size()} ranks"
             )
-        for key, value in (("optim.num_steps", self.optim.num_steps), ("optim.micro_batch_size", self.optim.micro_batch_size),
-                           ("rollout.max_gen_len", rollout.max_gen_len)):
-            if value < 1:
-                raise config_lib.ConfigError(f"{key} must be >= 1, got {value}")
         if self.distributed.fsdp and self.optim.memory_efficient_adamw:
             raise config_lib.ConfigError("distributed.fsdp already shards AdamW's state over the GPUs; "
                                          "set optim.memory_efficient_adamw: false")
@@ -107,6 +128,14 @@ class TrainConfig:
             # but filtering leaves ranks with different numbers of micro-batches.
             raise config_lib.ConfigError("distributed.fsdp needs the same number of episodes on every rank; "
                                          "set optim.skip_unfinished_episodes: false")
+
+    def validate_for_model(self, max_position_embeddings: int) -> None:
+        """What only the loaded model can tell: prompt plus answer must fit its positions."""
+        for key in ("rollout.max_gen_len", "eval.max_gen_len"):
+            gen_len = self.rollout.max_gen_len if key.startswith("rollout") else self.eval.max_gen_len
+            total = self.rollout.max_prompt_len + (gen_len or 0)
+            config_lib.check(total <= max_position_embeddings, f"rollout.max_prompt_len + {key}",
+                             f"must be <= the model's max_position_embeddings ({max_position_embeddings})", total)
 
     @property
     def questions_per_step(self) -> int:
@@ -164,7 +193,7 @@ def run_evaluation(model, tokenizer, test_set, reward_for_item, config: TrainCon
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(config.seed)
     metrics, samples = evaluate(model, tokenizer, test_set, reward_for_item,
                                 config.eval.max_gen_len or config.rollout.max_gen_len, config.eval, generator,
-                                progress=config.progress and distributed.is_main_process())
+                                progress=show_progress(config.progress) and distributed.is_main_process())
     if run_logger:  # rank 0 only
         run_logger.scalars({f"eval/{key}": value for key, value in metrics.items()}, step)
         run_logger.text("eval/sample", f"{samples[0]['prompt']}{samples[0]['response']}", step)
@@ -173,28 +202,36 @@ def run_evaluation(model, tokenizer, test_set, reward_for_item, config: TrainCon
     return metrics
 
 
-def train(config: TrainConfig, resume: str | None = None) -> dict:
+def train(config: TrainConfig, resume: str | None = None, overwrite: bool = False) -> dict:
     """Run GRPO as configured; returns the last evaluation's metrics (empty if none ran)."""
     device = distributed.rank_device(resolve_device(config.device))
     set_cpu_threads(config.cpu_threads)
     seed_everything(config.seed)
+    if resume:  # the run goes on in the directory it was resumed from
+        resumed_run = checkpoint.run_directory_of(resume)
+        config.run_name, config.checkpoint.dir = resumed_run.name, str(resumed_run.parent)
+    config.run_name = run_name = config.run_name or datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_directory = Path(config.checkpoint.dir) / run_name
+    base_model_dir = None if resume else config.model.dir  # resuming, the checkpoint is the model
+    check_inputs(config.bootstrap, config.task, base_model_dir)  # before the run directory exists
+    run_claim = checkpoint.claim_run(run_directory, Path(config.logging.log_dir) / run_name, bool(resume),
+                                     overwrite) if distributed.is_main_process() else None
     checkpoint_dir = checkpoint.find(resume) if resume else None
-    run_name = config.run_name or (checkpoint_dir.parent.name if checkpoint_dir else datetime.now().strftime("%Y%m%d-%H%M%S"))
-    config.run_name = run_name
 
     if distributed.world_size() == 1:  # ranks would race to write the same files: bootstrap single-process
-        prepare_missing_inputs(config.bootstrap, config.task, config.model.dir)
+        prepare_missing_inputs(config.bootstrap, config.task, base_model_dir)
     # A checkpoint holds the policy and a copy of the tokenizer, so it is a complete model directory.
     model_dir = checkpoint_dir or Path(config.model.dir)
+    tokenizer = Tokenizer(model_dir)
+    train_set = tasks.load_dataset(config.task, tokenizer, "train")  # data errors before the model loads
+    test_set = tasks.load_dataset(config.task, tokenizer, "test")
+    reward_for_item = tasks.reward_function(config.task)
     shard = config.distributed.fsdp and distributed.is_initialized()
     # FSDP: load on the CPU, and each block moves to the device already sharded.
     model = load_model(config.model, torch.device("cpu") if shard else device, model_dir)
+    config.validate_for_model(model.config.max_position_embeddings)
     if shard:
         distributed.shard_model(model, device)
-    tokenizer = Tokenizer(model_dir)
-    train_set = tasks.load_dataset(config.task, tokenizer, "train")
-    test_set = tasks.load_dataset(config.task, tokenizer, "test")
-    reward_for_item = tasks.reward_function(config.task)
 
     optimizer = MemoryEfficientAdamW(model.parameters(), lr=config.optim.learning_rate, betas=config.optim.betas,
                                      eps=config.optim.eps, weight_decay=config.optim.weight_decay,
@@ -213,9 +250,8 @@ def train(config: TrainConfig, resume: str | None = None) -> dict:
         logger.info("resumed from %s at step %d", checkpoint_dir, start_step)
 
     is_main = distributed.is_main_process()
-    progress = config.progress and is_main
+    progress = show_progress(config.progress) and is_main
     run_logger = RunLogger(config.logging, run_name, config_lib.to_dict(config), start_step) if is_main else None
-    run_directory = Path(config.checkpoint.dir) / run_name
     if is_main:
         run_directory.mkdir(parents=True, exist_ok=True)
         config_lib.dump(config, run_directory / "config.yaml")
@@ -273,19 +309,26 @@ def train(config: TrainConfig, resume: str | None = None) -> dict:
                              "rng_per_rank": distributed.all_gather({"generator": generator.get_state(),
                                                                      "rng": rng_state()})}
             if is_main:
-                path = checkpoint.save(run_directory / f"step_{step:06d}", savable, model_dir, config, trainer_state)
+                path = checkpoint.save(run_directory / f"step_{step:06d}", savable, model_dir, config,
+                                       trainer_state if last_step or config.checkpoint.optimizer_state else None)
                 logger.info("saved checkpoint %s", path)
+                checkpoint.prune(run_directory, config.checkpoint.keep_last)
             distributed.barrier()  # no rank goes on (and may read it) before the checkpoint is complete
     if run_logger:
         run_logger.close()
+        run_claim.release()
     return eval_metrics
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML config (default: the resumed checkpoint's config.yaml, else config.yaml)")
+    parser.add_argument("--config", action="append", help="YAML config; repeat to merge several in order, later files "
+                        "winning (default: the resumed checkpoint's config.yaml, else config.yaml)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
-    parser.add_argument("--resume", help="a checkpoint directory, or a run's checkpoint directory (latest step)")
+    parser.add_argument("--resume", help="a checkpoint directory, or a run's checkpoint directory (latest step); "
+                        "the run goes on writing into that run's directory")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start over in a run directory that holds an earlier run's checkpoints and logs (deletes them)")
     return parser.parse_args(argv)
 
 
@@ -294,11 +337,11 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     args = parse_args(argv)
     try:
-        config_path = args.config or (checkpoint.find(args.resume) / "config.yaml" if args.resume else "config.yaml")
-        config = config_lib.load(TrainConfig, config_path, args.set)
-    except config_lib.ConfigError as error:
-        raise SystemExit(f"config error: {error}") from None
-    train(config, resume=args.resume)
+        config_paths = args.config or [checkpoint.find(args.resume) / "config.yaml" if args.resume else "config.yaml"]
+        config = config_lib.load(TrainConfig, config_paths, args.set)
+        train(config, resume=args.resume, overwrite=args.overwrite)
+    except config_lib.InputError as error:  # config, data, run directory or checkpoint: one line, exit code 2
+        config_lib.exit_on_input_error(error)
 
 
 if __name__ == "__main__":
