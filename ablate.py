@@ -20,8 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
+import checkpoint
 import config as config_lib
 import train
 from bootstrap import prepare_missing_inputs
@@ -87,6 +86,8 @@ def describe_changes(changes: dict) -> str:
 
 def read_run_metrics(log_dir) -> dict:
     """Final and best held-out success, final format rate and steps run, from a run's TensorBoard events."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # slow to import
+
     events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0}).Reload()
 
     def logged(tag: str) -> list:
@@ -120,6 +121,16 @@ def run_suite(directory, base_path, overrides: list[str], out_dir, force: bool =
     """Run (or reuse) every experiment of `directory`; returns the result rows, also written to out_dir."""
     out_dir = Path(out_dir)
     experiments = load_experiments(directory, base_path, overrides, out_dir)
+    # One suite per output directory: a second one would delete the first one's live runs as "stale".
+    claim = checkpoint.RunClaim([out_dir], "wait for it to end or pass another --out")
+    try:
+        return run_experiments(experiments, out_dir, directory, base_path, overrides, force)
+    finally:
+        claim.release()
+
+
+def run_experiments(experiments: list[Experiment], out_dir: Path, directory, base_path, overrides: list[str],
+                    force: bool) -> list[dict]:
     (out_dir / "runs").mkdir(parents=True, exist_ok=True)
     rows = []
     for number, experiment in enumerate(experiments, 1):

@@ -28,8 +28,12 @@ class TaskConfig:
 
 def load_dataset(config: TaskConfig, tokenizer, split: str) -> torch.utils.data.Dataset:
     if config.name == "countdown":
-        return countdown_task.CountdownDataset(config.data_dir, tokenizer, split, config.test_size)
-    return gsm8k_task.GSM8KDataset(config.data_dir, tokenizer, split, config.prompt_template)
+        dataset = countdown_task.CountdownDataset(config.data_dir, tokenizer, split, config.test_size)
+    else:
+        dataset = gsm8k_task.GSM8KDataset(config.data_dir, tokenizer, split, config.prompt_template)
+    if len(dataset) == 0:
+        raise config_lib.DataError(f"{config.data_dir}: the {config.name} {split} split is empty")
+    return dataset
 
 
 def reward_function(config: TaskConfig):
