@@ -337,6 +337,8 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     args = parse_args(argv)
     try:
+        if args.resume and args.overwrite:
+            raise config_lib.ConfigError("--overwrite starts a run over, --resume continues one: pass only one")
         config_paths = args.config or [checkpoint.find(args.resume) / "config.yaml" if args.resume else "config.yaml"]
         config = config_lib.load(TrainConfig, config_paths, args.set)
         train(config, resume=args.resume, overwrite=args.overwrite)
