@@ -115,10 +115,22 @@ def read_pairs(path) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"SFT data file '{path}' does not exist (JSONL with \"prompt\" and \"response\" keys).")
     # Iterate over the file's lines, not str.splitlines(): that also splits at U+2028, which GSM8K contains.
-    with path.open(encoding="utf-8") as lines:
-        pairs = [json.loads(line) for line in lines if line.strip()]
-    if not pairs or any(not {"prompt", "response"} <= set(pair) for pair in pairs):
-        raise ValueError(f"{path}: every line must be a JSON object with \"prompt\" and \"response\" keys.")
+    pairs = []
+    with path.open(encoding="utf-8-sig") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                pair = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise config_lib.DataError(f"{path} line {number}: not JSON ({error.msg} at column {error.colno})") from None
+            if not isinstance(pair, dict) or not isinstance(pair.get("prompt"), str) or not isinstance(
+                    pair.get("response"), str):
+                raise config_lib.DataError(f"{path} line {number}: every line must be a JSON object with string "
+                                           f"\"prompt\" and \"response\" keys, got {line.strip()[:100]}")
+            pairs.append(pair)
+    if not pairs:
+        raise config_lib.DataError(f"{path}: no pairs (JSONL with \"prompt\" and \"response\" keys)")
     return pairs
 
 

@@ -268,3 +268,29 @@ def test_sigterm_or_kill_never_leaves_a_lock_held(tmp_path):
     holder.send_signal(signal.SIGKILL)
     holder.wait()
     checkpoint.claim_run(tmp_path / "run", tmp_path / "logs", False, False).release()
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"prompt": "a", "response": "b"}\n\n{"prompt": "a", "response": \n', r"pairs\.jsonl line 3: not JSON"),
+    ('{"prompt": "a", "response": "b"}\n["a", "b"]\n', r"pairs\.jsonl line 2: every line must be a JSON object"),
+    ('{"prompt": "a", "response": null}\n', r"pairs\.jsonl line 1: every line must be a JSON object"),
+    ("\n\n", r"pairs\.jsonl: no pairs"),
+])
+def test_sft_jsonl_errors_name_file_and_line(text, message, tmp_path):
+    import train_sft
+    (tmp_path / "pairs.jsonl").write_text(text)
+    with pytest.raises(config_lib.DataError, match=message):
+        train_sft.read_pairs(tmp_path / "pairs.jsonl")
+
+
+def test_prompt_and_answer_must_fit_the_models_positions(tmp_path, tiny_model_dir, countdown_dir, capsys):
+    import json
+    positions = json.loads((tiny_model_dir / "config.json").read_text())["max_position_embeddings"]
+    config_path = tmp_path / "run.yaml"
+    config_lib.dump(tiny_config(tmp_path, tiny_model_dir, countdown_dir, f"rollout.max_gen_len={positions}"), config_path)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--config", str(config_path)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (f"config error: rollout.max_prompt_len + rollout.max_gen_len: must be <= the "
+                                       f"model's max_position_embeddings ({positions}), got {256 + positions}\n")
+    assert not list(tmp_path.rglob("step_*")) and not list(tmp_path.rglob("events.out.tfevents.*"))
