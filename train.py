@@ -131,9 +131,8 @@ class TrainConfig:
 
     def validate_for_model(self, max_position_embeddings: int) -> None:
         """What only the loaded model can tell: prompt plus answer must fit its positions."""
-        for key in ("rollout.max_gen_len", "eval.max_gen_len"):
-            gen_len = self.rollout.max_gen_len if key.startswith("rollout") else self.eval.max_gen_len
-            total = self.rollout.max_prompt_len + (gen_len or 0)
+        for key, gen_len in (("rollout.max_gen_len", self.rollout.max_gen_len), ("eval.max_gen_len", self.eval.max_gen_len)):
+            total = self.rollout.max_prompt_len + (gen_len or 0)  # eval.max_gen_len null: the rollout's, checked
             config_lib.check(total <= max_position_embeddings, f"rollout.max_prompt_len + {key}",
                              f"must be <= the model's max_position_embeddings ({max_position_embeddings})", total)
 
