@@ -54,13 +54,14 @@ def builds_model(config: BootstrapConfig, model_dir: str) -> bool:
     return bool(config.sft_config) and _same(config.model_dir, model_dir)
 
 
-def check_inputs(config: BootstrapConfig, task: TaskConfig, model_dir: str | None) -> None:
-    """Stop, with the command that makes it, at a missing input the bootstrap does not build."""
+def check_inputs(config: BootstrapConfig, task: TaskConfig | None, model_dir: str | None) -> None:
+    """Stop, with the command that makes it, at a missing input the bootstrap does not build
+    (None: that input is not needed)."""
     import countdown_task  # here, so a config can be checked before torch loads
     import gsm8k_task
     from qwen2_model import download_hint
 
-    if not Path(task.data_dir).exists() and not builds_data(config, task):
+    if task is not None and not Path(task.data_dir).exists() and not builds_data(config, task):
         message = (countdown_task.missing_data_message(Path(task.data_dir)) if task.name == "countdown"
                    else f"GSM8K directory {task.data_dir} does not exist; {gsm8k_task.DOWNLOAD_HINT}")
         raise MissingInputError(f"task.data_dir: {message}")

@@ -21,6 +21,7 @@ from tqdm import tqdm
 import config as config_lib
 import distributed
 import tasks
+from bootstrap import BootstrapConfig, check_inputs
 from generation import generate
 from run_logging import show_progress
 from runtime import ModelSetup, load_model, resolve_device, set_cpu_threads
@@ -186,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run(config: EvaluateConfig, split: str, out_path: Path) -> None:
+    check_inputs(BootstrapConfig(), config.task, config.model.dir)  # a missing one: the command that fetches it
     device = distributed.rank_device(resolve_device(config.device))
     set_cpu_threads(config.cpu_threads)
     tokenizer = Tokenizer(config.model.dir)

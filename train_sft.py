@@ -25,6 +25,7 @@ import checkpoint
 import config as config_lib
 import distributed
 import tasks
+from bootstrap import BootstrapConfig, check_inputs
 from distributed import DistributedConfig
 from evaluate import EvalConfig, evaluate
 from logprobs import token_log_probs
@@ -289,6 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         config = config_lib.load(SFTConfig, args.config, args.set)
+        check_inputs(BootstrapConfig(), None if config.data.train_jsonl else config.task, config.model.dir)
         train_sft(config)
     except config_lib.InputError as error:  # config or data: one line, exit code 2
         config_lib.exit_on_input_error(error)
