@@ -1,6 +1,6 @@
 """GRPO training: one loop of sample -> score -> update, with evaluation, logging and checkpoints.
 
-    uv run train.py [--config config.yaml] [--set section.key=value ...] [--resume CHECKPOINT_OR_RUN_DIR]
+    uv run train.py [--config config.yaml ...] [--set section.key=value ...] [--resume CHECKPOINT_OR_RUN_DIR | --overwrite]
     uv run torchrun --nproc_per_node N train.py ...   # data-parallel over N GPUs (see distributed.py)
 """
 
