@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="results, logs and checkpoints (default: artifacts/ablations/<base name>)")
     parser.add_argument("--force", action="store_true", help="rerun experiments that already have results")
     args = parser.parse_args(argv)
-    out_dir = args.out or Path("artifacts") / "ablations" / Path(args.base).stem
+    out_dir = Path(config_lib.expand_path(args.out)) if args.out else Path("artifacts") / "ablations" / Path(args.base).stem
     try:
         rows = run_suite(args.directory, args.base, args.set, out_dir, args.force)
     except config_lib.InputError as error:  # config, data, or the output directory in use: one line, exit code 2

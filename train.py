@@ -328,7 +328,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the run goes on writing into that run's directory")
     parser.add_argument("--overwrite", action="store_true",
                         help="start over in a run directory that holds an earlier run's checkpoints and logs (deletes them)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.resume = args.resume and config_lib.expand_path(args.resume)  # like every path key: ~ and $VARIABLES
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
