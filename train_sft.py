@@ -222,6 +222,9 @@ def train_sft(config: SFTConfig) -> dict:
     seed_everything(config.seed)
     # Every rank needs the same name; rank 0's clock decides it.
     config.run_name = config.run_name or distributed.all_gather("sft-" + datetime.now().strftime("%Y%m%d-%H%M%S"))[0]
+    # One process per log directory, so two runs of one name never mix their curves.
+    log_claim = checkpoint.RunClaim([Path(config.logging.log_dir) / config.run_name], "wait for it to end or pick "
+                                    "another name (--set run_name=NAME)") if distributed.is_main_process() else None
     shard = config.distributed.fsdp and distributed.is_initialized()
     # FSDP: load on the CPU, and each block moves to the device already sharded.
     model = load_model(config.model, torch.device("cpu") if shard else device)
@@ -277,6 +280,7 @@ def train_sft(config: SFTConfig) -> dict:
         path = checkpoint.save(config.output_dir, savable, config.model.dir, config)
         logger.info("saved the fine-tuned model to %s", path)
         run_logger.close()
+        log_claim.release()
     distributed.barrier()  # no rank goes on (and may read it) before the model is complete
     return metrics
 

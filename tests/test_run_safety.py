@@ -294,3 +294,21 @@ def test_prompt_and_answer_must_fit_the_models_positions(tmp_path, tiny_model_di
     assert capsys.readouterr().err == (f"config error: rollout.max_prompt_len + rollout.max_gen_len: must be <= the "
                                        f"model's max_position_embeddings ({positions}), got {256 + positions}\n")
     assert not list(tmp_path.rglob("step_*")) and not list(tmp_path.rglob("events.out.tfevents.*"))
+
+
+def test_sft_runs_of_one_name_never_share_a_log_directory(tmp_path, tiny_model_dir, countdown_dir, capsys):
+    import train_sft
+    log_dir = tmp_path / "logs" / "sft-x"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK.format(root=str(REPO_ROOT)), str(log_dir), str(log_dir)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "locked\n"
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            train_sft.main(["--config", "config_cpu_sft.yaml", f"--set=model.dir={tiny_model_dir}", "--set=run_name=sft-x",
+                            f"--set=task.data_dir={countdown_dir}", f"--set=logging.log_dir={tmp_path / 'logs'}",
+                            f"--set=output_dir={tmp_path / 'out'}"])
+    finally:
+        holder.stdin.close()
+        holder.wait()
+    assert exit_info.value.code == 2
+    assert f"{log_dir.resolve()} is in use by process {holder.pid}" in capsys.readouterr().err
