@@ -20,8 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
+import checkpoint
 import config as config_lib
 import train
 from bootstrap import prepare_missing_inputs
@@ -66,7 +65,7 @@ def load_experiments(directory, base_path, overrides: list[str], out_dir) -> lis
                       "checkpoint": {"dir": str(Path(out_dir) / "checkpoints")}}
         try:
             config = config_lib.build(train.TrainConfig, config_lib.merge(config_lib.merge(base, changes), suite_keys))
-        except ValueError as error:  # ConfigError, or a section's own validate()
+        except config_lib.ConfigError as error:
             raise config_lib.ConfigError(f"{path}: {error}") from None
         experiments.append(Experiment(path.stem, flatten(changes), config))
     return experiments
@@ -87,6 +86,8 @@ def describe_changes(changes: dict) -> str:
 
 def read_run_metrics(log_dir) -> dict:
     """Final and best held-out success, final format rate and steps run, from a run's TensorBoard events."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # slow to import
+
     events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0}).Reload()
 
     def logged(tag: str) -> list:
@@ -120,6 +121,16 @@ def run_suite(directory, base_path, overrides: list[str], out_dir, force: bool =
     """Run (or reuse) every experiment of `directory`; returns the result rows, also written to out_dir."""
     out_dir = Path(out_dir)
     experiments = load_experiments(directory, base_path, overrides, out_dir)
+    # One suite per output directory: a second one would delete the first one's live runs as "stale".
+    claim = checkpoint.RunClaim([out_dir], "wait for it to end or pass another --out")
+    try:
+        return run_experiments(experiments, out_dir, directory, base_path, overrides, force)
+    finally:
+        claim.release()
+
+
+def run_experiments(experiments: list[Experiment], out_dir: Path, directory, base_path, overrides: list[str],
+                    force: bool) -> list[dict]:
     (out_dir / "runs").mkdir(parents=True, exist_ok=True)
     rows = []
     for number, experiment in enumerate(experiments, 1):
@@ -194,11 +205,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="results, logs and checkpoints (default: artifacts/ablations/<base name>)")
     parser.add_argument("--force", action="store_true", help="rerun experiments that already have results")
     args = parser.parse_args(argv)
-    out_dir = args.out or Path("artifacts") / "ablations" / Path(args.base).stem
+    out_dir = Path(config_lib.expand_path(args.out)) if args.out else Path("artifacts") / "ablations" / Path(args.base).stem
     try:
         rows = run_suite(args.directory, args.base, args.set, out_dir, args.force)
-    except config_lib.ConfigError as error:
-        raise SystemExit(f"config error: {error}") from None
+    except config_lib.InputError as error:  # config, data, or the output directory in use: one line, exit code 2
+        config_lib.exit_on_input_error(error)
     logger.info("%d experiments; results in %s", len(rows), Path(out_dir) / "results.md")
 
 

@@ -4,6 +4,10 @@ On a fresh clone nothing can be downloaded, so config_cpu.yaml names the command
 missing: a CountDown dataset (countdown_task.py generate), a tiny random base model (tiny_model.py)
 and its SFT warm-up (train_sft.py). Each runs only if its output does not exist yet, so a rerun goes
 straight to GRPO.
+
+The bootstrap builds only at the paths its own section names (`data_dir`, `model_dir`): a model or
+data directory that is missing anywhere else (a typo in `--set model.dir=...`, a GSM8K directory, a
+real model) stops the run with the command that fetches or generates it, before anything is built.
 """
 
 import logging
@@ -12,28 +16,72 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import config as config_lib
-import countdown_task
-import tiny_model
 from tasks import TaskConfig
-from train_sft import SFTConfig, train_sft
 
 logger = logging.getLogger("bootstrap")
 
 
+class MissingInputError(config_lib.InputError, FileNotFoundError):
+    label = "missing input"
+
+
 @dataclass
 class BootstrapConfig:
-    dataset_args: str | None = None  # `countdown_task.py generate` arguments for a missing task.data_dir
+    data_dir: str | None = None  # the one task.data_dir this bootstrap may create (CountDown only)
+    model_dir: str | None = None  # the one model.dir this bootstrap may create (by SFT)
+    dataset_args: str | None = None  # `countdown_task.py generate` arguments for a missing data_dir
     base_model_args: str | None = None  # `tiny_model.py` arguments for a missing SFT base model
-    sft_config: str | None = None  # train_sft.py config that produces a missing model.dir
+    sft_config: str | None = None  # train_sft.py config that produces a missing model_dir
     sft_overrides: list[str] = field(default_factory=list)  # `section.key=value` changes to sft_config
 
+    def validate(self) -> None:
+        config_lib.paths(self, "data_dir", "model_dir", "sft_config")
+        config_lib.check(not self.dataset_args or self.data_dir, "data_dir", "must name the directory that "
+                         "dataset_args generates", self.data_dir)
+        config_lib.check(not self.sft_config or self.model_dir, "model_dir", "must name the directory that "
+                         "sft_config trains", self.model_dir)
 
-def prepare_missing_inputs(config: BootstrapConfig, task: TaskConfig, model_dir: str) -> None:
-    """Generate task.data_dir, then build the base model and SFT it into model_dir, where missing."""
-    if config.dataset_args and not Path(task.data_dir).exists():
+
+def _same(path: str | None, other: str) -> bool:
+    return path is not None and Path(path).resolve() == Path(other).resolve()
+
+
+def builds_data(config: BootstrapConfig, task: TaskConfig) -> bool:
+    return bool(config.dataset_args) and task.name == "countdown" and _same(config.data_dir, task.data_dir)
+
+
+def builds_model(config: BootstrapConfig, model_dir: str) -> bool:
+    return bool(config.sft_config) and _same(config.model_dir, model_dir)
+
+
+def check_inputs(config: BootstrapConfig, task: TaskConfig | None, model_dir: str | None) -> None:
+    """Stop, with the command that makes it, at a missing input the bootstrap does not build
+    (None: that input is not needed)."""
+    import countdown_task  # here, so a config can be checked before torch loads
+    import gsm8k_task
+    from qwen2_model import download_hint
+
+    if task is not None and not Path(task.data_dir).exists() and not builds_data(config, task):
+        message = (countdown_task.missing_data_message(Path(task.data_dir)) if task.name == "countdown"
+                   else f"GSM8K directory {task.data_dir} does not exist; {gsm8k_task.DOWNLOAD_HINT}")
+        raise MissingInputError(f"task.data_dir: {message}")
+    if model_dir is not None and not Path(model_dir).exists() and not builds_model(config, model_dir):
+        raise MissingInputError(f"model.dir: model directory '{model_dir}' does not exist. "
+                                + download_hint(Path(model_dir)).replace("\n ", ""))
+
+
+def prepare_missing_inputs(config: BootstrapConfig, task: TaskConfig, model_dir: str | None) -> None:
+    """Generate task.data_dir, then build the base model and SFT it into model_dir, where missing and
+    named by the bootstrap section; `model_dir` None: no model needed (resuming from a checkpoint)."""
+    check_inputs(config, task, model_dir)
+    import countdown_task
+    import tiny_model
+    from train_sft import SFTConfig, train_sft
+
+    if not Path(task.data_dir).exists():
         logger.info("generating the CountDown dataset %s", task.data_dir)
         countdown_task.main(["generate", "--out", task.data_dir, *shlex.split(config.dataset_args)])
-    if config.sft_config and not Path(model_dir).exists():
+    if model_dir is not None and not Path(model_dir).exists():
         sft_config = config_lib.load(SFTConfig, config.sft_config, [*config.sft_overrides, f"output_dir={model_dir}"])
         sft_config.task = task  # the warm-up learns the task GRPO will train on, from the same data
         if config.base_model_args and not Path(sft_config.model.dir).exists():

@@ -1,11 +1,18 @@
 """YAML configs validated into dataclasses, shared by train.py, train_sft.py, evaluate.py and ablate.py.
 
-A config file is nested sections of plain keys. Unknown keys, wrong types and values outside a
-`Literal` stop the run before any work, with a message naming the key and what is allowed.
-`--set section.key=value` overrides any key (the value is parsed as YAML).
+A config file is nested sections of plain keys. Unknown keys, wrong types, values outside a
+`Literal` and values outside a key's range (each section's `validate()`, built from the checks
+below) stop the run before any work, with `config error: <key>: <what is allowed>, got <value>`.
+`--set section.key=value` overrides any key (the value is parsed as YAML); several config files
+merge in order, later files winning.
+
+This module imports nothing heavy, so an entry point can report a bad config quickly.
 """
 
 import dataclasses
+import os
+import re
+import sys
 import types
 import typing
 from pathlib import Path
@@ -16,8 +23,93 @@ import yaml
 Config = TypeVar("Config")
 
 
-class ConfigError(ValueError):
-    pass
+class InputError(ValueError):
+    """A problem with what the user gave: reported as one line (no traceback) and exit code 2."""
+
+    label = "error"
+
+
+class ConfigError(InputError):
+    label = "config error"
+
+
+class DataError(InputError):
+    label = "data error"
+
+
+def exit_on_input_error(error: InputError) -> typing.NoReturn:
+    """What every entry point does with an InputError: `<label>: <message>` on stderr, exit code 2."""
+    print(f"{error.label}: {error}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+# ----------------------------------------------------------------------------- range checks for validate()
+# Each takes the section and a field name, so a check is one line next to the fields it guards;
+# build() puts the section in front of the key. None (an optional key left unset) always passes.
+
+
+def check(ok: bool, key: str, allowed: str, value) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {allowed}, got {value!r}")
+
+
+def at_least(section, name: str, minimum: float) -> None:
+    value = getattr(section, name)
+    check(value is None or value >= minimum, name, f"must be >= {minimum}", value)
+
+
+def above(section, name: str, bound: float) -> None:
+    value = getattr(section, name)
+    check(value is None or value > bound, name, f"must be > {bound}", value)
+
+
+def within(section, name: str, low: float, high: float, closed: str = "[]") -> None:
+    """`closed` says which ends are included: "[]", "[)", "(]" or "()"."""
+    value = getattr(section, name)
+    ok = value is None or ((low <= value) if closed[0] == "[" else (low < value)) and (
+        (value <= high) if closed[1] == "]" else (value < high))
+    check(ok, name, f"must be in {closed[0]}{low}, {high}{closed[1]}", value)
+
+
+def betas(section, name: str = "betas") -> None:
+    value = getattr(section, name)
+    check(all(0 <= beta < 1 for beta in value), name, "each must be in [0, 1)", list(value))
+
+
+DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+
+
+def device(section, name: str = "device") -> None:
+    check(bool(DEVICE.fullmatch(getattr(section, name))), name, "must be auto, cpu, cuda, cuda:N or mps",
+          getattr(section, name))
+
+
+def plain_name(section, name: str) -> None:
+    """A name that becomes one directory level (run_name): no separators, no '..', not empty."""
+    value = getattr(section, name)
+    check(value is None or (value.strip() and value not in (".", "..") and not re.search(r"[/\\]|\.\.", value)),
+          name, "must be a plain name (no '/', '\\' or '..'; it names one directory)", value)
+
+
+def expand_path(path) -> str:
+    return os.path.expandvars(os.path.expanduser(str(path)))
+
+
+def paths(section, *names: str) -> None:
+    """Expand `~` and $VARIABLES in path keys (in place); an empty path is an error."""
+    for name in names:
+        value = getattr(section, name)
+        if value is not None:
+            check(bool(value.strip()), name, "must be a non-empty path", value)
+            setattr(section, name, expand_path(value))
+
+
+def common_run_keys(section) -> None:
+    """The keys every entry point's top level shares."""
+    plain_name(section, "run_name")
+    at_least(section, "seed", 0)
+    device(section)
+    at_least(section, "cpu_threads", 1)
 
 
 def _describe(kind) -> str:
@@ -85,7 +177,11 @@ def build(schema: type[Config], values: dict | None, prefix: str = "") -> Config
             raise ConfigError(f"missing required key '{key}'")
     config = schema(**kwargs)
     if hasattr(config, "validate"):
-        config.validate()
+        try:
+            config.validate()
+        except ConfigError as error:  # a section names its own keys; the full key adds the section
+            message = str(error)
+            raise ConfigError(message if not prefix or message.startswith(prefix + ".") else _join(prefix, message)) from None
     return config
 
 
@@ -104,7 +200,10 @@ def apply_override(values: dict, assignment: str) -> None:
         node = node.setdefault(section, {})
         if not isinstance(node, dict):
             raise ConfigError(f"--set {dotted}: '{section}' is not a section")
-    node[key] = yaml.safe_load(raw)
+    try:
+        node[key] = yaml.safe_load(raw)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"--set {dotted}: the value is not valid YAML ({_yaml_problem(error)})") from None
 
 
 def merge(base: dict, override: dict) -> dict:
@@ -118,19 +217,45 @@ def merge(base: dict, override: dict) -> dict:
     return merged
 
 
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error)
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark else problem
+
+
 def read_yaml(path) -> dict:
-    path = Path(path)
+    path = Path(expand_path(path))
     if not path.is_file():
         raise ConfigError(f"config file '{path}' does not exist")
-    values = yaml.safe_load(path.read_text()) or {}
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")  # a BOM is fine; UTF-16 or binary is not
+    except UnicodeDecodeError as error:
+        line = raw[: error.start].count(b"\n") + 1
+        column = error.start - (raw.rfind(b"\n", 0, error.start) + 1) + 1
+        raise ConfigError(f"{path}: line {line}, column {column}: not UTF-8 text (save the config as UTF-8)") from None
+    if "\0" in text:
+        raise ConfigError(f"{path}: line {text[: text.index(chr(0))].count(chr(10)) + 1}: a NUL byte; "
+                          f"this is not a YAML text file") from None
+    try:
+        values = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: {_yaml_problem(error)}") from None
+    if values is None:
+        return {}
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     return values
 
 
-def load(schema: type[Config], path=None, overrides: list[str] = (), base: dict | None = None) -> Config:
-    """Read YAML (optionally on top of `base`), apply --set overrides, validate into `schema`."""
-    values = merge(base or {}, read_yaml(path) if path else {})
+def load(schema: type[Config], paths=None, overrides: list[str] = (), base: dict | None = None) -> Config:
+    """Read the YAML file(s) in `paths` (one path or a list; later files win, on top of `base`),
+    apply --set overrides, validate into `schema`."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    values = base or {}
+    for path in paths or []:
+        values = merge(values, read_yaml(path))
     for assignment in overrides:
         apply_override(values, assignment)
     return build(schema, values)

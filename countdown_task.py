@@ -20,9 +20,12 @@ from fractions import Fraction
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 from tqdm import tqdm
+
+from config import DataError
 
 SYSTEM_MESSAGE = (
     "You are a helpful assistant. You first think about the reasoning process "
@@ -83,13 +86,30 @@ def read_tasks(data_dir: str | Path) -> pa.Table:
                 raise ValueError(
                     f"{file} is not a parquet file (a Git LFS pointer?); run `git lfs install && git lfs pull` in {data_dir}"
                 )
-    table = pa.concat_tables([pq.read_table(file) for file in files], promote_options="default")
+    return pa.concat_tables([checked_table(file) for file in files], promote_options="default")
+
+
+def checked_table(file: Path) -> pa.Table:
+    """One parquet file's rows, after checking that `nums` is a list of ints and `target` an int in every row:
+    a string target would never match any answer, so every reward would silently be 0."""
+    table = pq.read_table(file)
+    needed = f"CountDown data needs `nums` (list of ints) and `target` (int), as in {HUB_DATASET_URL}"
     missing_columns = {"nums", "target"} - set(table.column_names)
     if missing_columns:
-        raise ValueError(
-            f"{data_dir / 'data'} has columns {table.column_names} but lacks {sorted(missing_columns)}; "
-            f"CountDown data needs `nums` (list of ints) and `target` (int), as in {HUB_DATASET_URL}."
-        )
+        raise DataError(f"{file} has columns {table.column_names} but lacks {sorted(missing_columns)}; {needed}")
+    nums, target = table.column("nums"), table.column("target")
+    if not (pa.types.is_list(nums.type) or pa.types.is_large_list(nums.type)) or not pa.types.is_integer(nums.type.value_type):
+        raise DataError(f"{file}: column `nums` is {nums.type}; {needed}")
+    if not pa.types.is_integer(target.type):
+        raise DataError(f"{file}: column `target` is {target.type}; {needed}")
+    empty_or_null = pc.equal(pc.fill_null(pc.list_value_length(nums), 0), 0)
+    null_number_rows = pc.filter(pc.list_parent_indices(nums), pc.list_flatten(nums).is_null())
+    bad_rows = sorted([pc.index(empty_or_null, True).as_py(), pc.index(target.is_null(), True).as_py(),
+                       *null_number_rows[:1].to_pylist()])
+    row = next((row for row in bad_rows if row >= 0), None)
+    if row is not None:
+        values = {name: table.column(name)[row].as_py() for name in ("nums", "target")}
+        raise DataError(f"{file} row {row}: {values}; {needed}")
     return table
 
 
@@ -101,8 +121,8 @@ class CountdownDataset(torch.utils.data.Dataset):
         if split not in ("train", "test"):
             raise ValueError(f"split must be 'train' or 'test', got {split!r}")
         if not 0 <= test_size < table.num_rows:
-            raise ValueError(
-                f"test_size={test_size} must be in [0, {table.num_rows}) for the "
+            raise DataError(
+                f"task.test_size={test_size} must be in [0, {table.num_rows}) for the "
                 f"{table.num_rows} rows in {data_dir}; lower test_size or use more data."
             )
         first_test_row = table.num_rows - test_size

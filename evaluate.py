@@ -1,7 +1,8 @@
 """Evaluate a model directory or training checkpoint on a task's held-out questions.
 
     uv run evaluate.py --model checkpoints/<run>/step_000100 [--config FILE] [--split test]
-                       [--samples K] [--temperature T] [--out samples.jsonl]
+                       [--samples K] [--temperature T] [--threads N] [--out samples.jsonl]
+    uv run evaluate.py --model MODEL_DIR --data DATA_DIR [--task gsm8k]   # any model, no config needed
 
 Reports success rate (pass@1, and pass@k when K > 1), format rate and mean response length, and
 writes every sample to JSONL. train.py's periodic evaluation calls the same `evaluate` function.
@@ -11,7 +12,7 @@ ranks and the samples gathered.
 
 import argparse
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,8 +21,10 @@ from tqdm import tqdm
 import config as config_lib
 import distributed
 import tasks
+from bootstrap import BootstrapConfig, check_inputs
 from generation import generate
-from runtime import ModelSetup, load_model, resolve_device
+from run_logging import show_progress
+from runtime import ModelSetup, load_model, resolve_device, set_cpu_threads
 from tokenizer import Tokenizer
 
 
@@ -34,6 +37,14 @@ class EvalConfig:
     temperature: float = 0.0  # 0 is greedy decoding
     top_p: float = 1.0
     max_gen_len: int | None = None  # null: rollout.max_gen_len
+
+    def validate(self) -> None:
+        config_lib.at_least(self, "interval", 0)
+        config_lib.at_least(self, "max_questions", 0)  # 0: train_sft.py scores only the held-out loss
+        for name in ("batch_size", "num_samples", "max_gen_len"):
+            config_lib.at_least(self, name, 1)
+        config_lib.at_least(self, "temperature", 0)
+        config_lib.within(self, "top_p", 0, 1, "(]")
 
 
 @torch.no_grad()
@@ -103,42 +114,90 @@ def summarize(samples: list[dict], num_samples: int) -> dict[str, float]:
     return metrics
 
 
+@dataclass
+class EvaluateConfig:
+    """What evaluate.py reads: a --config file may hold only these keys (anything else would be ignored)."""
+
+    seed: int = 0
+    device: str = "auto"
+    cpu_threads: int | None = None  # torch CPU threads; null: torch's default (all cores)
+    progress: bool = True
+    model: ModelSetup = field(default_factory=lambda: ModelSetup(dtype="float32", gradient_checkpointing=False))
+    task: tasks.TaskConfig = field(default_factory=tasks.TaskConfig)
+    eval: EvalConfig = field(default_factory=lambda: EvalConfig(max_gen_len=1024))
+
+    def validate(self) -> None:
+        config_lib.check(self.eval.max_gen_len is not None, "eval.max_gen_len", "must be set for evaluate.py",
+                         self.eval.max_gen_len)
+        config_lib.at_least(self, "seed", 0)
+        config_lib.device(self)
+        config_lib.at_least(self, "cpu_threads", 1)
+
+
+def from_training_config(values: dict) -> dict:
+    """The evaluation keys of a checkpoint's training config.yaml; its rollout length is the default."""
+    picked = {key: values[key] for key in ("seed", "device", "cpu_threads", "progress", "model", "task", "eval")
+              if key in values}
+    picked["model"] = {key: value for key, value in picked.get("model", {}).items() if key != "dir"}
+    if picked.get("eval", {}).get("max_gen_len") is None and "rollout" in values:
+        picked["eval"] = {**picked.get("eval", {}), "max_gen_len": values["rollout"].get("max_gen_len", 1024)}
+    return picked
+
+
+def load_config(args: argparse.Namespace, model_dir: Path) -> EvaluateConfig:
+    """Defaults, then the checkpoint's own training config (if any), then --config files, --set and flags."""
+    values = from_training_config(config_lib.read_yaml(model_dir / "config.yaml")) if (
+        model_dir / "config.yaml").is_file() else {}
+    for path in args.config or []:
+        values = config_lib.merge(values, config_lib.read_yaml(path))
+    flags = {"task.name": args.task, "task.data_dir": args.data, "eval.num_samples": args.samples,
+             "eval.temperature": args.temperature, "eval.max_questions": args.max_questions, "cpu_threads": args.threads}
+    for assignment in args.set + [f"{key}={value}" for key, value in flags.items() if value is not None]:
+        config_lib.apply_override(values, assignment)
+    if "dir" in values.get("model", {}):
+        raise config_lib.ConfigError("model.dir: evaluate.py takes the model from --model; remove model.dir")
+    config_lib.apply_override(values, f"model.dir={model_dir}")
+    if not values.get("task", {}).get("data_dir"):
+        raise config_lib.ConfigError("task.data_dir: evaluate.py needs the data: pass --data DIR (or a --config with "
+                                     "task.data_dir)")
+    return config_lib.build(EvaluateConfig, values)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a Hugging Face model directory or a training checkpoint")
-    parser.add_argument("--config", help="YAML with task/eval/model sections (default: the checkpoint's config.yaml, else config.yaml)")
+    parser.add_argument("--data", help="the task's data directory (task.data_dir; default: the checkpoint's)")
+    parser.add_argument("--task", choices=["countdown", "gsm8k"], help="task.name (default: the checkpoint's, else countdown)")
+    parser.add_argument("--config", action="append", help="YAML with seed/device/cpu_threads/model/task/eval keys; "
+                        "repeat to merge several (default: the checkpoint's config.yaml, if any)")
     parser.add_argument("--split", default="test", choices=["train", "test"])
     parser.add_argument("--samples", type=int, help="answers per question (pass@k for k > 1)")
     parser.add_argument("--temperature", type=float)
     parser.add_argument("--max-questions", type=int)
+    parser.add_argument("--threads", type=int, help="torch CPU threads (cpu_threads)")
     parser.add_argument("--out", help="JSONL of every sample (default: <model>/eval_<split>.jsonl)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = parser.parse_args(argv)
+    model_dir = Path(config_lib.expand_path(args.model))
+    try:
+        config = load_config(args, model_dir)
+        run(config, args.split, Path(config_lib.expand_path(args.out or model_dir / f"eval_{args.split}.jsonl")))
+    except config_lib.InputError as error:
+        config_lib.exit_on_input_error(error)
 
-    model_dir = Path(args.model)
-    config_path = args.config or next((p for p in (model_dir / "config.yaml", Path("config.yaml")) if p.is_file()), None)
-    values = config_lib.read_yaml(config_path) if config_path else {}
-    for assignment in args.set:
-        config_lib.apply_override(values, assignment)
-    task_config = config_lib.build(tasks.TaskConfig, values.get("task"), "task")
-    eval_config = config_lib.build(EvalConfig, values.get("eval"), "eval")
-    for field, value in (("num_samples", args.samples), ("temperature", args.temperature), ("max_questions", args.max_questions)):
-        if value is not None:
-            setattr(eval_config, field, value)
-    max_gen_len = eval_config.max_gen_len or values.get("rollout", {}).get("max_gen_len", 1024)
-    model_setup = config_lib.build(ModelSetup, values.get("model"), "model")
-    device = distributed.rank_device(resolve_device(values.get("device", "auto")))
 
-    model = load_model(model_setup, device, model_dir)
-    tokenizer = Tokenizer(model_dir)
-    dataset = tasks.load_dataset(task_config, tokenizer, args.split)
-    generator = torch.Generator(device=device).manual_seed(values.get("seed", 0))
-    metrics, samples = evaluate(
-        model, tokenizer, dataset, tasks.reward_function(task_config), max_gen_len, eval_config, generator
-    )
+def run(config: EvaluateConfig, split: str, out_path: Path) -> None:
+    check_inputs(BootstrapConfig(), config.task, config.model.dir)  # a missing one: the command that fetches it
+    device = distributed.rank_device(resolve_device(config.device))
+    set_cpu_threads(config.cpu_threads)
+    tokenizer = Tokenizer(config.model.dir)
+    dataset = tasks.load_dataset(config.task, tokenizer, split)
+    model = load_model(config.model, device)
+    generator = torch.Generator(device=device).manual_seed(config.seed)
+    metrics, samples = evaluate(model, tokenizer, dataset, tasks.reward_function(config.task), config.eval.max_gen_len,
+                                config.eval, generator, progress=show_progress(config.progress))
     if not distributed.is_main_process():
         return
-    out_path = Path(args.out or model_dir / f"eval_{args.split}.jsonl")
     with open(out_path, "w") as out:
         for sample in samples:
             out.write(json.dumps(sample) + "\n")

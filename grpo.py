@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Literal
 import torch
 from tqdm import tqdm
 
-from config import ConfigError
+import config as config_lib
 from data_types import Episode, QuestionBatch
 from generation import generate
 from logprobs import token_log_probs
@@ -49,21 +49,16 @@ class LossConfig:
     kl_beta: float = 0.0  # weight of the k3 KL to the frozen initial policy; 0: no reference model
 
     def validate(self) -> None:
-        if self.epochs_per_rollout < 1:
-            raise ConfigError(f"loss.epochs_per_rollout must be >= 1, got {self.epochs_per_rollout}")
-        if not 0 < self.clip_range < 1:
-            raise ConfigError(f"loss.clip_range must be in (0, 1), got {self.clip_range}")
-        if self.clip_range_high is not None:
-            if not 0 < self.clip_range_high < 10:
-                raise ConfigError(f"loss.clip_range_high must be in (0, 10) or null, got {self.clip_range_high}")
-            if self.clip == "none":
-                raise ConfigError("loss.clip_range_high needs loss.clip: ppo (without clipping it does nothing)")
-        if not 0 <= self.overlong_buffer_fraction < 1:
-            raise ConfigError(f"loss.overlong_buffer_fraction must be in [0, 1), got {self.overlong_buffer_fraction}")
-        if self.overlong_penalty_factor <= 0:
-            raise ConfigError(f"loss.overlong_penalty_factor must be > 0, got {self.overlong_penalty_factor}")
-        if self.kl_beta < 0:
-            raise ConfigError(f"loss.kl_beta must be >= 0 (0: no KL term), got {self.kl_beta}")
+        config_lib.above(self, "advantage_eps", 0)  # < 0 can flip advantage signs; 0 gives 0/0 in equal groups
+        config_lib.at_least(self, "aggregation_constant", 1)
+        config_lib.at_least(self, "epochs_per_rollout", 1)
+        config_lib.within(self, "clip_range", 0, 1, "()")
+        config_lib.within(self, "clip_range_high", 0, 10, "()")
+        config_lib.check(self.clip_range_high is None or self.clip == "ppo", "clip_range_high",
+                         "needs loss.clip: ppo (without clipping it does nothing)", self.clip_range_high)
+        config_lib.within(self, "overlong_buffer_fraction", 0, 1, "[)")
+        config_lib.above(self, "overlong_penalty_factor", 0)
+        config_lib.at_least(self, "kl_beta", 0)  # 0: no KL term, no reference model
 
 
 def rollout(

@@ -2,12 +2,18 @@
 
 import html
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch.utils.tensorboard import SummaryWriter
+import config as config_lib
 
 logger = logging.getLogger(__name__)
+
+
+def show_progress(requested: bool) -> bool:
+    """Progress bars only on a terminal: redirected to a file they are mostly redraws; the log lines stay."""
+    return requested and sys.stderr.isatty()
 WANDB_STEP = "step"  # the x-axis of every W&B chart
 
 
@@ -19,11 +25,18 @@ class LoggingConfig:
     wandb: bool = False  # also log to Weights & Biases (uv sync --extra wandb)
     wandb_project: str = "grpo-zero"
 
+    def validate(self) -> None:
+        config_lib.paths(self, "log_dir")
+        config_lib.at_least(self, "sample_interval", 0)
+        config_lib.at_least(self, "num_samples", 0)
+
 
 class RunLogger:
     """One call site for scalars and text, fanned out to TensorBoard and optionally W&B."""
 
     def __init__(self, config: LoggingConfig, run_name: str, run_config: dict, resume_step: int = 0):
+        from torch.utils.tensorboard import SummaryWriter  # here, so validating a config stays quick
+
         self.directory = Path(config.log_dir) / run_name
         # purge_step drops events a crashed run wrote after the checkpoint we resume from.
         self.writer = SummaryWriter(self.directory, purge_step=resume_step + 1 if resume_step else None)

@@ -4,11 +4,14 @@ seeding and data order."""
 import random
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 
+import config as config_lib
 from qwen2_model import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,12 +61,29 @@ class ModelSetup:
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     gradient_checkpointing: bool = True
 
+    def validate(self) -> None:
+        config_lib.paths(self, "dir")
+
 
 def load_model(setup: ModelSetup, device: torch.device, model_dir=None) -> Transformer:
     """The model of `model_dir` (default: setup.dir) on `device`, in the configured dtype."""
-    model = Transformer.from_pretrained(model_dir or setup.dir, device=device, dtype=DTYPES[setup.dtype])
+    model_dir = Path(model_dir or setup.dir)
+    try:
+        model = Transformer.from_pretrained(model_dir, device=device, dtype=DTYPES[setup.dtype])
+    except SafetensorError as error:  # its message names no file: find the one that is damaged
+        damaged = next((file for file in sorted(model_dir.glob("*.safetensors")) if not _readable(file)), model_dir)
+        raise config_lib.DataError(f"{damaged} cannot be read ({error}): truncated or damaged; copy or download it "
+                                   f"again, or resume from another checkpoint") from None
     model.gradient_checkpointing = setup.gradient_checkpointing
     return model
+
+
+def _readable(safetensors_file: Path) -> bool:
+    try:
+        with safe_open(safetensors_file, framework="pt"):
+            return True
+    except SafetensorError:
+        return False
 
 
 @lru_cache(maxsize=4)

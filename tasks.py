@@ -9,6 +9,7 @@ from typing import Literal
 
 import torch
 
+import config as config_lib
 import countdown_task
 import gsm8k_task
 
@@ -20,11 +21,19 @@ class TaskConfig:
     test_size: int = 128  # countdown: the last rows held out for evaluation
     prompt_template: str = "reasoning"  # gsm8k: prompts/<name>.txt or a file path
 
+    def validate(self) -> None:
+        config_lib.paths(self, "data_dir", "prompt_template")
+        config_lib.at_least(self, "test_size", 1)  # an empty test split would make every evaluation 0/0
+
 
 def load_dataset(config: TaskConfig, tokenizer, split: str) -> torch.utils.data.Dataset:
     if config.name == "countdown":
-        return countdown_task.CountdownDataset(config.data_dir, tokenizer, split, config.test_size)
-    return gsm8k_task.GSM8KDataset(config.data_dir, tokenizer, split, config.prompt_template)
+        dataset = countdown_task.CountdownDataset(config.data_dir, tokenizer, split, config.test_size)
+    else:
+        dataset = gsm8k_task.GSM8KDataset(config.data_dir, tokenizer, split, config.prompt_template)
+    if len(dataset) == 0:
+        raise config_lib.DataError(f"{config.data_dir}: the {config.name} {split} split is empty")
+    return dataset
 
 
 def reward_function(config: TaskConfig):

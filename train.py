@@ -1,6 +1,6 @@
 """GRPO training: one loop of sample -> score -> update, with evaluation, logging and checkpoints.
 
-    uv run train.py [--config config.yaml] [--set section.key=value ...] [--resume CHECKPOINT_OR_RUN_DIR]
+    uv run train.py [--config config.yaml ...] [--set section.key=value ...] [--resume CHECKPOINT_OR_RUN_DIR | --overwrite]
     uv run torchrun --nproc_per_node N train.py ...   # data-parallel over N GPUs (see distributed.py)
 """
 
@@ -26,7 +26,7 @@ from evaluate import EvalConfig, evaluate
 from grpo import (UPDATE_SUMS, LossConfig, apply_overlong_penalty, compute_advantages, overlong_penalty, rollout,
                   sample_informative_groups, update_metrics, update_policy)
 from optimizer import MemoryEfficientAdamW
-from run_logging import LoggingConfig, RunLogger
+from run_logging import LoggingConfig, RunLogger, show_progress
 from runtime import (ModelSetup, load_model, resolve_device, rng_state, seed_everything, set_cpu_threads, set_rng_state,
                      step_indices)
 from tokenizer import Tokenizer
@@ -46,6 +46,13 @@ class RolloutConfig:
     dynamic_sampling: bool = False  # DAPO: replace groups whose rewards are all equal with new questions
     dynamic_sampling_max_rounds: int = 3  # rollout rounds per step at most; then train on the groups found
 
+    def validate(self) -> None:
+        for name in ("episodes_per_step", "num_answers_per_question", "max_prompt_len", "max_gen_len",
+                     "dynamic_sampling_max_rounds"):
+            config_lib.at_least(self, name, 1)
+        config_lib.above(self, "temperature", 0)  # 0 would make every group's answers equal: no signal
+        config_lib.within(self, "top_p", 0, 1, "(]")
+
 
 @dataclass
 class OptimConfig:
@@ -60,11 +67,27 @@ class OptimConfig:
     memory_efficient_adamw: bool = False  # keep AdamW's moments in CPU memory
     logprob_chunk_size: int = 256  # sequence positions per lm_head chunk in the update
 
+    def validate(self) -> None:
+        for name in ("num_steps", "micro_batch_size", "logprob_chunk_size"):
+            config_lib.at_least(self, name, 1)
+        config_lib.above(self, "learning_rate", 0)
+        config_lib.at_least(self, "weight_decay", 0)
+        config_lib.betas(self)
+        config_lib.above(self, "eps", 0)
+        config_lib.above(self, "max_grad_norm", 0)  # < 0 reverses the update, 0 zeroes it
+
 
 @dataclass
 class CheckpointConfig:
     dir: str = "checkpoints"  # checkpoints go to <dir>/<run_name>/step_NNNNNN
     interval: int = 100  # steps between checkpoints (0: only at the end)
+    keep_last: int | None = 3  # keep the newest K checkpoints of the run (and the newest resumable one); null: all
+    optimizer_state: bool = True  # false: steps before the last save weights only (~1/3 the disk), not resumable
+
+    def validate(self) -> None:
+        config_lib.paths(self, "dir")
+        config_lib.at_least(self, "interval", 0)
+        config_lib.at_least(self, "keep_last", 1)
 
 
 @dataclass
@@ -86,6 +109,9 @@ class TrainConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def validate(self) -> None:
+        config_lib.common_run_keys(self)
+        config_lib.check(self.eval.max_questions != 0, "eval.max_questions", "must be >= 1 or null (all); "
+                         "eval.interval: 0 turns evaluation off", self.eval.max_questions)
         rollout = self.rollout
         if rollout.episodes_per_step % rollout.num_answers_per_question:
             raise config_lib.ConfigError(
@@ -99,11 +125,6 @@ class TrainConfig:
             raise config_lib.ConfigError(
                 f"the {questions} questions per step must split evenly over {distributed.world_size()} ranks"
             )
-        for key, value in (("optim.num_steps", self.optim.num_steps), ("optim.micro_batch_size", self.optim.micro_batch_size),
-                           ("rollout.max_gen_len", rollout.max_gen_len),
-                           ("rollout.dynamic_sampling_max_rounds", rollout.dynamic_sampling_max_rounds)):
-            if value < 1:
-                raise config_lib.ConfigError(f"{key} must be >= 1, got {value}")
         if self.distributed.fsdp and self.optim.memory_efficient_adamw:
             raise config_lib.ConfigError("distributed.fsdp already shards AdamW's state over the GPUs; "
                                          "set optim.memory_efficient_adamw: false")
@@ -118,6 +139,13 @@ class TrainConfig:
         if self.distributed.fsdp and self.loss.kl_beta:
             raise config_lib.ConfigError("loss.kl_beta > 0 (a reference model) is not supported with distributed.fsdp "
                                          "yet; set loss.kl_beta: 0")
+
+    def validate_for_model(self, max_position_embeddings: int) -> None:
+        """What only the loaded model can tell: prompt plus answer must fit its positions."""
+        for key, gen_len in (("rollout.max_gen_len", self.rollout.max_gen_len), ("eval.max_gen_len", self.eval.max_gen_len)):
+            total = self.rollout.max_prompt_len + (gen_len or 0)  # eval.max_gen_len null: the rollout's, checked
+            config_lib.check(total <= max_position_embeddings, f"rollout.max_prompt_len + {key}",
+                             f"must be <= the model's max_position_embeddings ({max_position_embeddings})", total)
 
     @property
     def questions_per_step(self) -> int:
@@ -175,7 +203,7 @@ def run_evaluation(model, tokenizer, test_set, reward_for_item, config: TrainCon
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(config.seed)
     metrics, samples = evaluate(model, tokenizer, test_set, reward_for_item,
                                 config.eval.max_gen_len or config.rollout.max_gen_len, config.eval, generator,
-                                progress=config.progress and distributed.is_main_process())
+                                progress=show_progress(config.progress) and distributed.is_main_process())
     if run_logger:  # rank 0 only
         run_logger.scalars({f"eval/{key}": value for key, value in metrics.items()}, step)
         run_logger.text("eval/sample", f"{samples[0]['prompt']}{samples[0]['response']}", step)
@@ -184,27 +212,26 @@ def run_evaluation(model, tokenizer, test_set, reward_for_item, config: TrainCon
     return metrics
 
 
-def train(config: TrainConfig, resume: str | None = None) -> dict:
+def train(config: TrainConfig, resume: str | None = None, overwrite: bool = False) -> dict:
     """Run GRPO as configured; returns the last evaluation's metrics (empty if none ran)."""
     device = set_up_process(config)
-    checkpoint_dir = checkpoint.find(resume) if resume else None
-    config.run_name = config.run_name or (checkpoint_dir.parent.name if checkpoint_dir else timestamp())
-    prepare_missing_inputs(config)
+    checkpoint_dir, run_claim = start_run(config, resume, overwrite)
     # A checkpoint holds the policy and a copy of the tokenizer, so it is a complete model directory.
     model_dir = checkpoint_dir or Path(config.model.dir)
-    model, policy = load_policy(config, model_dir, device)  # policy: what the update runs (DDP/FSDP or model)
-    reference_model = None
-    if config.loss.kl_beta:  # the KL anchor: the initial policy (model.dir, also on resume), frozen, same dtype
-        reference_model = load_model(config.model, device).requires_grad_(False).eval()
     tokenizer = Tokenizer(model_dir)
     train_set, test_set = (tasks.load_dataset(config.task, tokenizer, split) for split in ("train", "test"))
     reward_for_item = tasks.reward_function(config.task)
+    model, policy = load_policy(config, model_dir, device)  # policy: what the update runs (DDP/FSDP or model)
+    config.validate_for_model(model.config.max_position_embeddings)
+    reference_model = None
+    if config.loss.kl_beta:  # the KL anchor: the initial policy (model.dir, also on resume), frozen, same dtype
+        reference_model = load_model(config.model, device).requires_grad_(False).eval()
     optimizer = new_optimizer(model, config.optim)
     optimizer_step = distributed.OptimizerStep(policy, optimizer, config.optim.max_grad_norm)
     generator = torch.Generator(device=device).manual_seed(config.seed + distributed.rank())
     start_step = restore_trainer_state(checkpoint_dir, model, optimizer, generator) if checkpoint_dir else 0
     run_logger = open_run(config, start_step)  # rank 0 only
-    progress = config.progress and distributed.is_main_process()
+    progress = show_progress(config.progress) and distributed.is_main_process()
     logger.info("run %s on %s: %d train / %d test questions, logs in %s", config.run_name, device, len(train_set),
                 len(test_set), Path(config.logging.log_dir) / config.run_name)
 
@@ -235,6 +262,7 @@ def train(config: TrainConfig, resume: str | None = None) -> dict:
             save_checkpoint(config, step, model, optimizer, generator, model_dir)
     if run_logger:
         run_logger.close()
+        run_claim.release()
     return eval_metrics
 
 
@@ -253,10 +281,22 @@ def timestamp() -> str:
     return datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
-def prepare_missing_inputs(config: TrainConfig) -> None:
-    """The data and config.model.dir, created by the bootstrap commands where missing (the CPU demo)."""
+def start_run(config: TrainConfig, resume: str | None, overwrite: bool) -> tuple[Path | None, checkpoint.RunClaim | None]:
+    """Name the run, take its directories (rank 0) and create the demo's missing inputs; returns the
+    checkpoint to resume from (or None) and the claim to release at the end."""
+    if resume:  # the run goes on in the directory it was resumed from
+        resumed_run = checkpoint.run_directory_of(resume)
+        config.run_name, config.checkpoint.dir = resumed_run.name, str(resumed_run.parent)
+    config.run_name = config.run_name or timestamp()
+    base_model_dir = None if resume else config.model.dir  # resuming, the checkpoint is the model
+    bootstrap.check_inputs(config.bootstrap, config.task, base_model_dir)  # before the run directory exists
+    run_claim = None
+    if distributed.is_main_process():
+        run_claim = checkpoint.claim_run(Path(config.checkpoint.dir) / config.run_name,
+                                         Path(config.logging.log_dir) / config.run_name, bool(resume), overwrite)
     if distributed.world_size() == 1:  # ranks would race to write the same files: bootstrap single-process
-        bootstrap.prepare_missing_inputs(config.bootstrap, config.task, config.model.dir)
+        bootstrap.prepare_missing_inputs(config.bootstrap, config.task, base_model_dir)
+    return (checkpoint.find(resume) if resume else None), run_claim
 
 
 def load_policy(config: TrainConfig, model_dir: Path, device: torch.device):
@@ -388,20 +428,31 @@ def all_ranks_update_metrics(update: dict) -> dict[str, float]:
 def save_checkpoint(config: TrainConfig, step: int, model, optimizer, generator: torch.Generator, model_dir) -> None:
     """Every rank takes part (FSDP gathers the shards; each rank's sampling state is kept); rank 0 writes."""
     savable = distributed.savable_model(model)
-    trainer_state = {"step": step, "optimizer": distributed.optimizer_state_dict(model, optimizer),
-                     "rng_per_rank": distributed.all_gather({"generator": generator.get_state(), "rng": rng_state()})}
+    trainer_state = None  # weights only: evaluable, not resumable (checkpoint.optimizer_state: false)
+    if step == config.optim.num_steps or config.checkpoint.optimizer_state:
+        trainer_state = {"step": step, "optimizer": distributed.optimizer_state_dict(model, optimizer),
+                         "rng_per_rank": distributed.all_gather({"generator": generator.get_state(),
+                                                                 "rng": rng_state()})}
     if distributed.is_main_process():
-        path = Path(config.checkpoint.dir) / config.run_name / f"step_{step:06d}"
-        logger.info("saved checkpoint %s", checkpoint.save(path, savable, model_dir, config, trainer_state))
+        run_directory = Path(config.checkpoint.dir) / config.run_name
+        path = checkpoint.save(run_directory / f"step_{step:06d}", savable, model_dir, config, trainer_state)
+        logger.info("saved checkpoint %s", path)
+        checkpoint.prune(run_directory, config.checkpoint.keep_last)
     distributed.barrier()  # no rank goes on (and may read it) before the checkpoint is complete
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML config (default: the resumed checkpoint's config.yaml, else config.yaml)")
+    parser.add_argument("--config", action="append", help="YAML config; repeat to merge several in order, later files "
+                        "winning (default: the resumed checkpoint's config.yaml, else config.yaml)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
-    parser.add_argument("--resume", help="a checkpoint directory, or a run's checkpoint directory (latest step)")
-    return parser.parse_args(argv)
+    parser.add_argument("--resume", help="a checkpoint directory, or a run's checkpoint directory (latest step); "
+                        "the run goes on writing into that run's directory")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start over in a run directory that holds an earlier run's checkpoints and logs (deletes them)")
+    args = parser.parse_args(argv)
+    args.resume = args.resume and config_lib.expand_path(args.resume)  # like every path key: ~ and $VARIABLES
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -409,11 +460,13 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     args = parse_args(argv)
     try:
-        config_path = args.config or (checkpoint.find(args.resume) / "config.yaml" if args.resume else "config.yaml")
-        config = config_lib.load(TrainConfig, config_path, args.set)
-    except config_lib.ConfigError as error:
-        raise SystemExit(f"config error: {error}") from None
-    train(config, resume=args.resume)
+        if args.resume and args.overwrite:
+            raise config_lib.ConfigError("--overwrite starts a run over, --resume continues one: pass only one")
+        config_paths = args.config or [checkpoint.find(args.resume) / "config.yaml" if args.resume else "config.yaml"]
+        config = config_lib.load(TrainConfig, config_paths, args.set)
+        train(config, resume=args.resume, overwrite=args.overwrite)
+    except config_lib.InputError as error:  # config, data, run directory or checkpoint: one line, exit code 2
+        config_lib.exit_on_input_error(error)
 
 
 if __name__ == "__main__":

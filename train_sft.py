@@ -25,15 +25,17 @@ import checkpoint
 import config as config_lib
 import distributed
 import tasks
+from bootstrap import BootstrapConfig, check_inputs
 from distributed import DistributedConfig
 from evaluate import EvalConfig, evaluate
 from logprobs import token_log_probs
 from optimizer import MemoryEfficientAdamW
-from run_logging import LoggingConfig, RunLogger
+from run_logging import LoggingConfig, RunLogger, show_progress
 from runtime import ModelSetup, load_model, resolve_device, seed_everything, set_cpu_threads, step_indices
 from tokenizer import Tokenizer
 
 logger = logging.getLogger("train_sft")
+LOG_INTERVAL = 20  # steps between log lines when there is no progress bar
 
 
 @dataclass
@@ -42,6 +44,11 @@ class SFTDataConfig:
     eval_jsonl: str | None = None  # held-out pairs for the loss; null: the last eval_size training pairs
     eval_size: int = 200
     max_seq_len: int = 1024  # longer pairs are left out
+
+    def validate(self) -> None:
+        config_lib.paths(self, "train_jsonl", "eval_jsonl")
+        config_lib.at_least(self, "eval_size", 1)
+        config_lib.at_least(self, "max_seq_len", 2)
 
 
 @dataclass
@@ -58,6 +65,17 @@ class SFTOptimConfig:
     max_grad_norm: float = 1.0
     memory_efficient_adamw: bool = False
     logprob_chunk_size: int = 256
+
+    def validate(self) -> None:
+        for name in ("num_steps", "batch_size", "micro_batch_size", "logprob_chunk_size"):
+            config_lib.at_least(self, name, 1)
+        config_lib.above(self, "learning_rate", 0)
+        config_lib.within(self, "min_learning_rate_ratio", 0, 1)
+        config_lib.at_least(self, "warmup_steps", 0)
+        config_lib.at_least(self, "weight_decay", 0)
+        config_lib.betas(self)
+        config_lib.above(self, "eps", 0)
+        config_lib.above(self, "max_grad_norm", 0)
 
 
 @dataclass
@@ -77,6 +95,8 @@ class SFTConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def validate(self) -> None:
+        config_lib.common_run_keys(self)
+        config_lib.paths(self, "output_dir")
         if self.optim.batch_size % self.optim.micro_batch_size:
             raise config_lib.ConfigError(
                 f"optim.batch_size ({self.optim.batch_size}) must be divisible by optim.micro_batch_size "
@@ -96,10 +116,22 @@ def read_pairs(path) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"SFT data file '{path}' does not exist (JSONL with \"prompt\" and \"response\" keys).")
     # Iterate over the file's lines, not str.splitlines(): that also splits at U+2028, which GSM8K contains.
-    with path.open(encoding="utf-8") as lines:
-        pairs = [json.loads(line) for line in lines if line.strip()]
-    if not pairs or any(not {"prompt", "response"} <= set(pair) for pair in pairs):
-        raise ValueError(f"{path}: every line must be a JSON object with \"prompt\" and \"response\" keys.")
+    pairs = []
+    with path.open(encoding="utf-8-sig") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                pair = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise config_lib.DataError(f"{path} line {number}: not JSON ({error.msg} at column {error.colno})") from None
+            if not isinstance(pair, dict) or not isinstance(pair.get("prompt"), str) or not isinstance(
+                    pair.get("response"), str):
+                raise config_lib.DataError(f"{path} line {number}: every line must be a JSON object with string "
+                                           f"\"prompt\" and \"response\" keys, got {line.strip()[:100]}")
+            pairs.append(pair)
+    if not pairs:
+        raise config_lib.DataError(f"{path}: no pairs (JSONL with \"prompt\" and \"response\" keys)")
     return pairs
 
 
@@ -175,7 +207,7 @@ def run_evaluation(model, tokenizer, eval_examples, config: SFTConfig, run_logge
         generator = torch.Generator(device=next(model.parameters()).device).manual_seed(config.seed)
         task_metrics, _ = evaluate(model, tokenizer, test_set, tasks.reward_function(config.task),
                                    config.eval.max_gen_len or config.data.max_seq_len, config.eval, generator,
-                                   progress=config.progress and distributed.is_main_process())
+                                   progress=show_progress(config.progress) and distributed.is_main_process())
         metrics.update({f"eval/{key}": value for key, value in task_metrics.items()})
     if run_logger:  # rank 0 only
         run_logger.scalars(metrics, step)
@@ -190,6 +222,9 @@ def train_sft(config: SFTConfig) -> dict:
     seed_everything(config.seed)
     # Every rank needs the same name; rank 0's clock decides it.
     config.run_name = config.run_name or distributed.all_gather("sft-" + datetime.now().strftime("%Y%m%d-%H%M%S"))[0]
+    # One process per log directory, so two runs of one name never mix their curves.
+    log_claim = checkpoint.RunClaim([Path(config.logging.log_dir) / config.run_name], "wait for it to end or pick "
+                                    "another name (--set run_name=NAME)") if distributed.is_main_process() else None
     shard = config.distributed.fsdp and distributed.is_initialized()
     # FSDP: load on the CPU, and each block moves to the device already sharded.
     model = load_model(config.model, torch.device("cpu") if shard else device)
@@ -206,7 +241,8 @@ def train_sft(config: SFTConfig) -> dict:
                 len(train_examples), len(eval_examples), Path(config.logging.log_dir) / config.run_name)
 
     metrics = run_evaluation(model, tokenizer, eval_examples, config, run_logger, 0) if config.eval.interval else {}
-    bar = tqdm(range(optim.num_steps), desc="sft", disable=not (config.progress and is_main))
+    show_bar = show_progress(config.progress) and is_main
+    bar = tqdm(range(optim.num_steps), desc="sft", disable=not show_bar)
     for step in bar:
         start = time.perf_counter()
         policy.train()
@@ -234,6 +270,9 @@ def train_sft(config: SFTConfig) -> dict:
                                 "train/learning_rate": optimizer.param_groups[0]["lr"],
                                 "train/tokens_per_second": num_tokens / seconds}, step + 1)
         bar.set_postfix(loss=f"{total_nll / num_tokens:.3f}")
+        if not show_bar and ((step + 1) % LOG_INTERVAL == 0 or step + 1 == optim.num_steps):
+            logger.info("sft step %d/%d | loss %.4f | grad %.3f | lr %.2e | %.0f tok/s", step + 1, optim.num_steps,
+                        total_nll / num_tokens, grad_norm, optimizer.param_groups[0]["lr"], num_tokens / seconds)
         if config.eval.interval and ((step + 1) % config.eval.interval == 0 or step + 1 == optim.num_steps):
             metrics = run_evaluation(model, tokenizer, eval_examples, config, run_logger, step + 1)
     savable = distributed.savable_model(model)  # every rank takes part: FSDP gathers the shards
@@ -241,6 +280,7 @@ def train_sft(config: SFTConfig) -> dict:
         path = checkpoint.save(config.output_dir, savable, config.model.dir, config)
         logger.info("saved the fine-tuned model to %s", path)
         run_logger.close()
+        log_claim.release()
     distributed.barrier()  # no rank goes on (and may read it) before the model is complete
     return metrics
 
@@ -249,14 +289,15 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO if distributed.is_main_process() else logging.WARNING,
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True)
+    parser.add_argument("--config", action="append", required=True, help="YAML config; repeat to merge several in order")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     args = parser.parse_args(argv)
     try:
         config = config_lib.load(SFTConfig, args.config, args.set)
-    except config_lib.ConfigError as error:
-        raise SystemExit(f"config error: {error}") from None
-    train_sft(config)
+        check_inputs(BootstrapConfig(), None if config.data.train_jsonl else config.task, config.model.dir)
+        train_sft(config)
+    except config_lib.InputError as error:  # config or data: one line, exit code 2
+        config_lib.exit_on_input_error(error)
 
 
 if __name__ == "__main__":

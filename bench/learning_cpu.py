@@ -40,14 +40,16 @@ def main() -> None:
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="learning_cpu_"))
     relocate = [f"task.data_dir={workdir / 'countdown'}", f"model.dir={workdir / 'sft-model'}",
+                f"bootstrap.data_dir={workdir / 'countdown'}", f"bootstrap.model_dir={workdir / 'sft-model'}",
                 f"logging.log_dir={workdir / 'logs'}", f"checkpoint.dir={workdir / 'checkpoints'}"]
     config = config_lib.load(train.TrainConfig, args.config, relocate + args.set)
     base_model_dir = workdir / "base-model"
     config.bootstrap.sft_overrides += [f"model.dir={base_model_dir}", f"logging.log_dir={workdir / 'logs'}"]
 
     phases = {}
-    phases["dataset_seconds"] = timed(prepare_missing_inputs, BootstrapConfig(dataset_args=config.bootstrap.dataset_args),
-                                      config.task, config.model.dir)
+    phases["dataset_seconds"] = timed(prepare_missing_inputs, BootstrapConfig(data_dir=config.task.data_dir,
+                                                                     dataset_args=config.bootstrap.dataset_args),
+                                      config.task, None)
     phases["base_model_seconds"] = timed(tiny_model.main, ["--out", str(base_model_dir), *config.bootstrap.base_model_args.split()])
     phases["sft_seconds"] = timed(prepare_missing_inputs, config.bootstrap, config.task, config.model.dir)
     phases["grpo_seconds"] = timed(train.train, config)

@@ -1,6 +1,7 @@
 """ablate.py: the suite runner on tiny CountDown runs, and the shipped ablation configs against the document."""
 
 import csv
+import re
 from pathlib import Path
 
 import pytest
@@ -136,19 +137,20 @@ def test_rerun_skips_recorded_experiments_unless_changed_or_forced(tmp_path, tin
     assert [step for step, _ in read_scalars(out / "logs" / "clipped")["reward/mean"]] == [1]
 
 
-def test_a_typo_in_any_experiment_stops_the_suite_before_any_run(tmp_path, train_calls):
+def test_a_typo_in_any_experiment_stops_the_suite_before_any_run(tmp_path, train_calls, capsys):
     base = write_base_config(tmp_path / "base.yaml", tmp_path / "no-model", tmp_path / "no-data", num_steps=1)
     write_experiment(tmp_path / "experiments", "a_fine", "loss:\n  clip: ppo\n")
     write_experiment(tmp_path / "experiments", "b_typo", "loss:\n  aggregaton: constant\n")
-    with pytest.raises(SystemExit, match=r"config error: .*b_typo.yaml: unknown key 'loss.aggregaton'"):
-        ablate.main([str(tmp_path / "experiments"), "--base", str(base), "--out", str(tmp_path / "out")])
     write_experiment(tmp_path / "bad_value", "k0", "loss:\n  epochs_per_rollout: 0\n")
-    with pytest.raises(SystemExit, match=r"k0.yaml: loss.epochs_per_rollout must be >= 1"):
-        ablate.main([str(tmp_path / "bad_value"), "--base", str(base), "--out", str(tmp_path / "out")])
     (tmp_path / "empty").mkdir()
-    with pytest.raises(SystemExit, match="has no \\*.yaml files"):
-        ablate.main([str(tmp_path / "empty"), "--base", str(base), "--out", str(tmp_path / "out")])
-    assert train_calls == [] and not (tmp_path / "out" / "results.csv").exists()
+    for directory, message in (("experiments", r"config error: .*b_typo.yaml: unknown key 'loss.aggregaton'"),
+                               ("bad_value", r"config error: .*k0.yaml: loss.epochs_per_rollout: must be >= 1, got 0"),
+                               ("empty", "config error: no experiments: .* has no \\*.yaml files")):
+        with pytest.raises(SystemExit) as exit_info:
+            ablate.main([str(tmp_path / directory), "--base", str(base), "--out", str(tmp_path / "out")])
+        assert exit_info.value.code == 2
+        assert re.match(message, capsys.readouterr().err)
+    assert train_calls == [] and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("base", ["config.yaml", "configs/gsm8k.yaml"])

@@ -12,6 +12,7 @@ def test_shortened_demo_learns(tmp_path):
     """config_cpu.yaml on a smaller, 2-number task with shorter SFT and GRPO phases (~2.5 minutes)."""
     overrides = [
         f"task.data_dir={tmp_path / 'countdown'}", f"model.dir={tmp_path / 'sft-model'}",
+        f"bootstrap.data_dir={tmp_path / 'countdown'}", f"bootstrap.model_dir={tmp_path / 'sft-model'}",
         f"logging.log_dir={tmp_path / 'logs'}", f"checkpoint.dir={tmp_path / 'checkpoints'}",
         "progress=false", "optim.num_steps=30", "eval.interval=30", "eval.max_questions=128", "task.test_size=128",
         "bootstrap.dataset_args=--size 12000 --seed 0 --min-numbers 2 --max-numbers 2 --max-number 20 --with-solutions",

@@ -11,6 +11,7 @@ import torch
 import ablate
 import tasks
 import train
+import config as config_lib
 from config import ConfigError
 from data_types import Episode
 from distributed import OptimizerStep
@@ -346,14 +347,17 @@ def test_dynamic_sampling_cap_trains_on_what_it_has(caplog):
 ])
 def test_bad_values_are_config_errors(values, message):
     with pytest.raises(ConfigError, match=message):
-        LossConfig(**values).validate()
+        config_lib.build(LossConfig, values, prefix="loss")
 
 
-def test_bad_variant_value_stops_train_py_with_a_config_error():
-    with pytest.raises(SystemExit, match="config error: loss.kl_beta must be >= 0"):
-        train.main(["--config", "config_cpu.yaml", "--set", "loss.kl_beta=-1"])
-    with pytest.raises(SystemExit, match="config error: rollout.dynamic_sampling_max_rounds must be >= 1"):
-        train.main(["--config", "config_cpu.yaml", "--set", "rollout.dynamic_sampling_max_rounds=0"])
+def test_bad_variant_value_stops_train_py_with_a_config_error(capsys):
+    for assignment, message in (("loss.kl_beta=-1", "config error: loss.kl_beta: must be >= 0"),
+                                ("rollout.dynamic_sampling_max_rounds=0",
+                                 "config error: rollout.dynamic_sampling_max_rounds: must be >= 1")):
+        with pytest.raises(SystemExit) as stopped:
+            train.main(["--config", "config_cpu.yaml", "--set", assignment])
+        assert stopped.value.code == 2
+        assert message in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- presets and train.py end to end

@@ -124,10 +124,12 @@ def test_bad_config_names_the_key(tmp_path, tiny_model_dir, countdown_dir, overr
         tiny_config(tmp_path, tiny_model_dir, countdown_dir, override)
 
 
-def test_command_line_reports_config_errors_before_any_work(tmp_path):
+def test_command_line_reports_config_errors_before_any_work(tmp_path, capsys):
     (tmp_path / "bad.yaml").write_text("optim:\n  num_step: 3\n")
-    with pytest.raises(SystemExit, match="config error: unknown key 'optim.num_step'"):
+    with pytest.raises(SystemExit) as exit_info:
         train.main(["--config", str(tmp_path / "bad.yaml")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith("config error: unknown key 'optim.num_step'")
 
 
 def test_missing_model_and_data_say_how_to_get_them(tmp_path, tiny_model_dir, countdown_dir):

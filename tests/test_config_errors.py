@@ -1,0 +1,173 @@
+"""Every bad config value stops the entry point with `config error: <key>: ...`, exit code 2, before any work."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ablate
+import config as config_lib
+import evaluate
+import train
+import train_sft
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# (override, the message's start); each would otherwise train silently wrong or crash later.
+BAD_TRAIN_VALUES = [
+    ("optim.max_grad_norm=-1", "optim.max_grad_norm: must be > 0, got -1.0"),
+    ("optim.max_grad_norm=0", "optim.max_grad_norm: must be > 0, got 0.0"),
+    ("loss.advantage_eps=-1", "loss.advantage_eps: must be > 0, got -1.0"),
+    ("rollout.temperature=0", "rollout.temperature: must be > 0, got 0.0"),
+    ("checkpoint.interval=-1", "checkpoint.interval: must be >= 0, got -1"),
+    ("checkpoint.keep_last=0", "checkpoint.keep_last: must be >= 1, got 0"),
+    ("eval.interval=-1", "eval.interval: must be >= 0, got -1"),
+    ("eval.max_questions=0", "eval.max_questions: must be >= 1 or null (all); eval.interval: 0 turns evaluation off, got 0"),
+    ("eval.max_questions=-1", "eval.max_questions: must be >= 0, got -1"),
+    ("logging.num_samples=-1", "logging.num_samples: must be >= 0, got -1"),
+    ("logging.sample_interval=-2", "logging.sample_interval: must be >= 0, got -2"),
+    ("run_name=../x", "run_name: must be a plain name"),
+    ("run_name=a/b", "run_name: must be a plain name"),
+    ("run_name=..", "run_name: must be a plain name"),
+    ("loss.clip_range=2", "loss.clip_range: must be in (0, 1), got 2.0"),
+    ("loss.epochs_per_rollout=0", "loss.epochs_per_rollout: must be >= 1, got 0"),
+    ("loss.aggregation_constant=0", "loss.aggregation_constant: must be >= 1, got 0"),
+    ("rollout.num_answers_per_question=0", "rollout.num_answers_per_question: must be >= 1, got 0"),
+    ("rollout.episodes_per_step=0", "rollout.episodes_per_step: must be >= 1, got 0"),
+    ("rollout.max_prompt_len=0", "rollout.max_prompt_len: must be >= 1, got 0"),
+    ("rollout.max_gen_len=0", "rollout.max_gen_len: must be >= 1, got 0"),
+    ("rollout.top_p=2", "rollout.top_p: must be in (0, 1], got 2.0"),
+    ("rollout.top_p=0", "rollout.top_p: must be in (0, 1], got 0.0"),
+    ("optim.learning_rate=-1", "optim.learning_rate: must be > 0, got -1.0"),
+    ("optim.betas=[1.5,-1]", "optim.betas: each must be in [0, 1), got [1.5, -1.0]"),
+    ("optim.eps=0", "optim.eps: must be > 0, got 0.0"),
+    ("optim.weight_decay=-0.1", "optim.weight_decay: must be >= 0, got -0.1"),
+    ("optim.logprob_chunk_size=0", "optim.logprob_chunk_size: must be >= 1, got 0"),
+    ("optim.num_steps=0", "optim.num_steps: must be >= 1, got 0"),
+    ("optim.micro_batch_size=0", "optim.micro_batch_size: must be >= 1, got 0"),
+    ("eval.batch_size=0", "eval.batch_size: must be >= 1, got 0"),
+    ("eval.num_samples=0", "eval.num_samples: must be >= 1, got 0"),
+    ("eval.temperature=-1", "eval.temperature: must be >= 0, got -1.0"),
+    ("eval.top_p=1.5", "eval.top_p: must be in (0, 1], got 1.5"),
+    ("eval.max_gen_len=0", "eval.max_gen_len: must be >= 1, got 0"),
+    ("task.test_size=0", "task.test_size: must be >= 1, got 0"),
+    ("task.data_dir=''", "task.data_dir: must be a non-empty path"),
+    ("model.dir=''", "model.dir: must be a non-empty path"),
+    ("cpu_threads=0", "cpu_threads: must be >= 1, got 0"),
+    ("device=tpu", "device: must be auto, cpu, cuda, cuda:N or mps, got 'tpu'"),
+    ("device=cuda:x", "device: must be auto, cpu, cuda, cuda:N or mps, got 'cuda:x'"),
+    ("seed=-1", "seed: must be >= 0, got -1"),
+    ("optim.max_grad_norm=.nan", "optim.max_grad_norm: must be > 0, got nan"),
+]
+
+
+def isolated_overrides(tmp_path: Path) -> list[str]:
+    """Every path of the CPU demo moved into tmp_path, so 'nothing was created' is checkable."""
+    return [f"--set={key}={tmp_path / name}" for key, name in (
+        ("task.data_dir", "data"), ("model.dir", "model"), ("logging.log_dir", "logs"), ("checkpoint.dir", "ckpt"),
+        ("bootstrap.data_dir", "data"), ("bootstrap.model_dir", "model"))]
+
+
+def run_main(main, argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override, message", BAD_TRAIN_VALUES)
+def test_bad_training_value_stops_before_any_work(override, message, tmp_path, capsys):
+    # config_cpu.yaml bootstraps its data and model: a late check would have generated them first.
+    err = run_main(train.main, ["--config", "config_cpu.yaml", *isolated_overrides(tmp_path), "--set", override], capsys)
+    assert err.startswith(f"config error: {message}"), err
+    assert err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.min_learning_rate_ratio=2", "optim.min_learning_rate_ratio: must be in [0, 1], got 2.0"),
+    ("optim.warmup_steps=-1", "optim.warmup_steps: must be >= 0, got -1"),
+    ("optim.batch_size=0", "optim.batch_size: must be >= 1, got 0"),
+    ("optim.betas=[0.9,1]", "optim.betas: each must be in [0, 1), got [0.9, 1.0]"),
+    ("data.eval_size=0", "data.eval_size: must be >= 1, got 0"),
+    ("data.max_seq_len=1", "data.max_seq_len: must be >= 2, got 1"),
+    ("eval.num_samples=0", "eval.num_samples: must be >= 1, got 0"),
+    ("eval.max_questions=-1", "eval.max_questions: must be >= 0, got -1"),
+    ("output_dir=''", "output_dir: must be a non-empty path"),
+    ("seed=-3", "seed: must be >= 0, got -3"),
+])
+def test_bad_sft_value_stops_before_any_work(override, message, tmp_path, capsys):
+    paths = [f"--set=model.dir={tmp_path / 'model'}", f"--set=output_dir={tmp_path / 'out'}",
+             f"--set=logging.log_dir={tmp_path / 'logs'}"]
+    err = run_main(train_sft.main, ["--config", "config_cpu_sft.yaml", *paths, "--set", override], capsys)
+    assert err.startswith(f"config error: {message}"), err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("text, message", [
+    (b"optim:\n  num_steps: [1\n", r"bad\.yaml: line 3, column 1: "),  # unclosed flow sequence
+    (b"optim:\n num_steps: 1\n  lr: 2\n", r"bad\.yaml: line 3, column 5: mapping values are not allowed here"),
+    ("optim:\n  num_steps: 1\n".encode("utf-16"), r"bad\.yaml: line 1, column 1: not UTF-8 text"),
+    (b"optim:\n  num_steps: 1\n\x00\x01\x02\xff", r"bad\.yaml: line 3, column 4: not UTF-8 text"),
+    (b"seed: 1\n\x00\x00", r"bad\.yaml: line 2: a NUL byte"),
+    (b"- a\n- b\n", r"bad\.yaml: the top level must be a mapping"),
+])
+def test_unreadable_yaml_names_file_line_and_column(text, message, tmp_path, capsys):
+    (tmp_path / "bad.yaml").write_bytes(text)
+    err = run_main(train.main, ["--config", str(tmp_path / "bad.yaml")], capsys)
+    assert err.startswith("config error: ") and re.search(message, err), err
+
+
+def test_a_bom_is_accepted(tmp_path):
+    (tmp_path / "bom.yaml").write_bytes("seed: 3\n".encode("utf-8-sig"))
+    assert config_lib.load(train.TrainConfig, tmp_path / "bom.yaml").seed == 3
+
+
+def test_config_files_merge_in_order_later_files_winning(tmp_path):
+    (tmp_path / "a.yaml").write_text("seed: 1\noptim:\n  num_steps: 5\n  learning_rate: 0.5\n")
+    (tmp_path / "b.yaml").write_text("optim:\n  num_steps: 7\n")
+    config = config_lib.load(train.TrainConfig, [tmp_path / "a.yaml", tmp_path / "b.yaml"], ["seed=2"])
+    assert (config.seed, config.optim.num_steps, config.optim.learning_rate) == (2, 7, 0.5)
+    assert train.parse_args(["--config", "a.yaml", "--config", "b.yaml"]).config == ["a.yaml", "b.yaml"]
+
+
+def test_paths_expand_home_and_environment_variables(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRPO_TEST_ROOT", str(tmp_path))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    config = config_lib.load(train.TrainConfig, None, ["model.dir=~/qwen", "task.data_dir=$GRPO_TEST_ROOT/data",
+                                                      "logging.log_dir=${GRPO_TEST_ROOT}/logs", "checkpoint.dir=~/ck"])
+    assert config.model.dir == str(tmp_path / "home" / "qwen")
+    assert (config.task.data_dir, config.logging.log_dir) == (str(tmp_path / "data"), str(tmp_path / "logs"))
+    assert config.checkpoint.dir == str(tmp_path / "home" / "ck")
+
+
+def test_ablate_reports_a_bad_value_in_one_line(tmp_path, capsys):
+    (tmp_path / "experiments").mkdir()
+    (tmp_path / "experiments" / "neg.yaml").write_text("optim:\n  max_grad_norm: -1\n")
+    err = run_main(ablate.main, [str(tmp_path / "experiments"), "--base", "config_cpu.yaml",
+                                 "--out", str(tmp_path / "out")], capsys)
+    assert err == f"config error: {tmp_path / 'experiments' / 'neg.yaml'}: optim.max_grad_norm: must be > 0, got -1.0\n"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("script, arguments, message", [
+    ("train.py", ["--config", "config_cpu.yaml", "--set", "optim.max_grad_norm=-1"],
+     "config error: optim.max_grad_norm: must be > 0, got -1.0\n"),
+    ("train.py", ["--config", "config_cpu.yaml", "--set", "run_name=../escape"],
+     "config error: run_name: must be a plain name (no '/', '\\' or '..'; it names one directory), got '../escape'\n"),
+    ("train_sft.py", ["--config", "config_cpu_sft.yaml", "--set", "optim.learning_rate=-1"],
+     "config error: optim.learning_rate: must be > 0, got -1.0\n"),
+    ("evaluate.py", ["--set", "eval.num_samples=0"], "config error: eval.num_samples: must be >= 1, got 0\n"),
+])
+def test_real_entry_point_exits_2_with_one_line(script, arguments, message, tmp_path):
+    if script == "evaluate.py":
+        paths = ["--model", str(tmp_path / "model"), "--data", str(tmp_path / "data")]
+    else:
+        paths = [f"--set=model.dir={tmp_path / 'model'}", f"--set=task.data_dir={tmp_path / 'data'}",
+                 f"--set=logging.log_dir={tmp_path / 'logs'}"]
+    result = subprocess.run([sys.executable, str(REPO_ROOT / script), *arguments, *paths],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert (result.returncode, result.stderr, result.stdout) == (2, message, "")
+    assert list(tmp_path.iterdir()) == []

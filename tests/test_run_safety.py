@@ -1,0 +1,314 @@
+"""No run loses or mixes data: the run-directory lock, checkpoint writes that survive a crash, retention,
+a bootstrap that builds only its own paths, and data errors that name file and row."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import ablate
+import bootstrap
+import checkpoint
+import config as config_lib
+import countdown_task
+import evaluate
+import tasks
+import train
+from test_train import countdown_dir, tiny_config  # noqa: F401 (fixture)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+HOLD_LOCK = """
+import sys
+sys.path.insert(0, {root!r})
+import checkpoint
+claim = checkpoint.claim_run(__import__("pathlib").Path(sys.argv[1]), __import__("pathlib").Path(sys.argv[2]), False, False)
+print("locked", flush=True)
+sys.stdin.read()  # hold it until the test closes our stdin (or kills us)
+"""
+
+
+def hold_lock(run_dir: Path, log_dir: Path) -> subprocess.Popen:
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK.format(root=str(REPO_ROOT)), str(run_dir), str(log_dir)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "locked\n"
+    return holder
+
+
+def test_a_second_process_on_the_same_run_stops_at_once_naming_the_holder(tmp_path, tiny_model_dir, countdown_dir):
+    config_path = tmp_path / "run.yaml"
+    config_lib.dump(tiny_config(tmp_path, tiny_model_dir, countdown_dir), config_path)
+    holder = hold_lock(tmp_path / "checkpoints" / "tiny", tmp_path / "logs" / "tiny")
+    try:
+        second = subprocess.run([sys.executable, str(REPO_ROOT / "train.py"), "--config", str(config_path)],
+                                cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    finally:
+        holder.kill()  # as a crash would: the kernel releases the lock
+        holder.wait()
+    assert second.returncode == 2
+    assert second.stderr.startswith(f"run directory error: {(tmp_path / 'checkpoints' / 'tiny').resolve()} is in use "
+                                    f"by process {holder.pid} on host "), second.stderr
+    assert "--set run_name=NAME" in second.stderr and "--resume" in second.stderr
+    assert "Traceback" not in second.stderr and not (tmp_path / "checkpoints" / "tiny" / "config.yaml").exists()
+    # The killed holder left its lock file, but not its lock: the next run takes the directory.
+    claim = checkpoint.claim_run(tmp_path / "checkpoints" / "tiny", tmp_path / "logs" / "tiny", False, False)
+    claim.release()
+    assert not (tmp_path / "checkpoints" / "tiny").exists()  # nothing written: nothing left behind
+
+
+def test_ablate_locks_its_output_directory(tmp_path, capsys):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK.format(root=str(REPO_ROOT)), str(tmp_path / "out"),
+                               str(tmp_path / "out")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "locked\n"
+    (tmp_path / "experiments").mkdir()
+    (tmp_path / "experiments" / "a.yaml").write_text("seed: 1\n")
+    (tmp_path / "out" / "logs" / "a").mkdir(parents=True)  # the first suite's live run
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            ablate.main([str(tmp_path / "experiments"), "--base", "config_cpu.yaml", "--out", str(tmp_path / "out")])
+    finally:
+        holder.stdin.close()
+        holder.wait()
+    assert exit_info.value.code == 2
+    assert f"is in use by process {holder.pid}" in capsys.readouterr().err
+    assert (tmp_path / "out" / "logs" / "a").is_dir()
+
+
+def test_a_new_run_refuses_an_earlier_runs_files_unless_overwrite(tmp_path):
+    run_dir, log_dir = tmp_path / "checkpoints" / "r", tmp_path / "logs" / "r"
+    (run_dir / "step_000010").mkdir(parents=True)
+    log_dir.mkdir(parents=True)
+    (log_dir / "events.out.tfevents.1.host").write_text("x")
+    with pytest.raises(checkpoint.RunDirectoryError, match=r"step_000010 is from an earlier run named 'r'; continue it "
+                                                           r"with --resume .*--overwrite"):
+        checkpoint.claim_run(run_dir, log_dir, resuming=False, overwrite=False)
+    checkpoint.claim_run(run_dir, log_dir, resuming=True, overwrite=False).release()  # resuming is fine
+    assert (run_dir / "step_000010").is_dir()
+    checkpoint.claim_run(run_dir, log_dir, resuming=False, overwrite=True).release()
+    assert not (run_dir / "step_000010").exists() and not list(log_dir.glob("events*"))
+
+
+class Weights:
+    """What checkpoint.save needs of a model: save_pretrained."""
+
+    def __init__(self, value: str):
+        self.value = value
+
+    def save_pretrained(self, directory: Path) -> None:
+        directory.mkdir()
+        (directory / "model.safetensors").write_text(self.value)
+
+
+def test_a_crash_between_the_two_renames_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    checkpoint.save(run_dir / "step_000002", Weights("old"), tmp_path, trainer_state={"step": 2})
+    real_replace, calls = os.replace, []
+
+    def crash_on_second_rename(source, destination):
+        calls.append((source, destination))
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed between the renames")
+        real_replace(source, destination)
+
+    monkeypatch.setattr(checkpoint.os, "replace", crash_on_second_rename)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(run_dir / "step_000002", Weights("new"), tmp_path, trainer_state={"step": 2})
+    monkeypatch.setattr(checkpoint.os, "replace", real_replace)
+    assert not (run_dir / "step_000002").exists()  # only the hidden copies are left
+    assert sorted(p.name.rsplit(".", 1)[0] for p in run_dir.iterdir()) == [".step_000002.old", ".step_000002.tmp"]
+
+    checkpoint.claim_run(run_dir, tmp_path / "logs", resuming=True, overwrite=False).release()
+    assert sorted(p.name for p in run_dir.iterdir()) == ["step_000002"]
+    assert (run_dir / "step_000002" / "model.safetensors").read_text() == "old"
+    assert checkpoint.find(run_dir) == run_dir / "step_000002"
+
+
+def test_retention_keeps_the_newest_k_and_the_newest_resumable(tmp_path):
+    for step in (1, 2, 3, 4, 5):
+        checkpoint.save(tmp_path / f"step_{step:06d}", Weights(str(step)), tmp_path,
+                        trainer_state={"step": step} if step <= 2 else None)
+    checkpoint.prune(tmp_path, keep_last=2)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000002", "step_000004", "step_000005"]
+    assert checkpoint.find(tmp_path) == tmp_path / "step_000002"
+    checkpoint.prune(tmp_path, keep_last=None)
+    assert len(list(tmp_path.glob("step_*"))) == 3
+
+
+def test_truncated_checkpoint_files_are_named(tmp_path, tiny_model_dir):
+    torch.save({"step": 3, "optimizer": {"x": torch.zeros(1000)}}, tmp_path / checkpoint.TRAINER_STATE)
+    data = (tmp_path / checkpoint.TRAINER_STATE).read_bytes()
+    (tmp_path / checkpoint.TRAINER_STATE).write_bytes(data[: len(data) // 2])
+    with pytest.raises(checkpoint.CheckpointError, match=f"{tmp_path / checkpoint.TRAINER_STATE} cannot be read"):
+        checkpoint.load_trainer_state(tmp_path)
+
+    import shutil
+    from runtime import ModelSetup, load_model
+    model_dir = Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
+    weights = (model_dir / "model.safetensors").read_bytes()
+    (model_dir / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    with pytest.raises(config_lib.DataError, match=f"{model_dir / 'model.safetensors'} cannot be read"):
+        load_model(ModelSetup(dtype="float32"), torch.device("cpu"), model_dir)
+
+
+def test_resume_writes_into_the_resumed_runs_directory_and_keeps_last(tmp_path, tiny_model_dir, countdown_dir,
+                                                                      monkeypatch):
+    monkeypatch.setattr(tasks, "reward_function", lambda config: lambda response, item, end: {
+        "reward": float(len(response) % 2), "reward_info": {"format_reward": 0.0, "answer_reward": 0.0}})
+    config = tiny_config(tmp_path, tiny_model_dir, countdown_dir, "optim.num_steps=2", "checkpoint.interval=1",
+                         "eval.interval=0")
+    train.train(config)
+    moved = tmp_path / "elsewhere" / "renamed"
+    moved.parent.mkdir()
+    (tmp_path / "checkpoints" / "tiny").rename(moved)
+    resumed = tiny_config(tmp_path, tiny_model_dir, countdown_dir, "optim.num_steps=4", "checkpoint.interval=1",
+                          "eval.interval=0", "checkpoint.keep_last=2", "checkpoint.optimizer_state=false")
+    train.train(resumed, resume=str(moved))
+    assert sorted(p.name for p in moved.iterdir()) == ["config.yaml", "step_000003", "step_000004"]
+    assert not (moved / "step_000003" / checkpoint.TRAINER_STATE).exists()  # weights only between
+    assert (moved / "step_000004" / checkpoint.TRAINER_STATE).is_file()
+    assert not (tmp_path / "checkpoints" / "tiny").exists()
+    assert list((tmp_path / "logs" / "renamed").glob("events.out.tfevents.*"))
+    # A new run (no --resume) under the moved run's name refuses to mix into it.
+    with pytest.raises(checkpoint.RunDirectoryError, match="from an earlier run named 'renamed'"):
+        train.train(tiny_config(tmp_path, tiny_model_dir, countdown_dir, "run_name=renamed",
+                                f"checkpoint.dir={moved.parent}"))
+
+
+def test_bootstrap_builds_only_its_own_paths(tmp_path, tiny_model_dir, countdown_dir):
+    demo = config_lib.load(train.TrainConfig, "config_cpu.yaml", [
+        f"bootstrap.data_dir={tmp_path / 'data'}", f"bootstrap.model_dir={tmp_path / 'model'}",
+        f"task.data_dir={countdown_dir}", f"model.dir={tmp_path / 'modle'}"])  # a typo in model.dir
+    with pytest.raises(bootstrap.MissingInputError, match=r"model.dir: model directory '.*modle' does not exist\. "
+                                                          r"Download .* git clone https://huggingface.co/Qwen/"):
+        bootstrap.prepare_missing_inputs(demo.bootstrap, demo.task, demo.model.dir)
+    demo.model.dir, demo.task.name, demo.task.data_dir = str(tiny_model_dir), "gsm8k", str(tmp_path / "data")
+    with pytest.raises(bootstrap.MissingInputError, match="task.data_dir: GSM8K directory .* does not exist"):
+        bootstrap.prepare_missing_inputs(demo.bootstrap, demo.task, demo.model.dir)
+    demo.task.name, demo.task.data_dir = "countdown", str(tmp_path / "typo")
+    with pytest.raises(bootstrap.MissingInputError, match="countdown_task.py generate --out .*typo"):
+        bootstrap.prepare_missing_inputs(demo.bootstrap, demo.task, demo.model.dir)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    with pytest.raises(config_lib.ConfigError, match="bootstrap.model_dir: must name the directory that sft_config"):
+        config_lib.load(train.TrainConfig, "config_cpu.yaml", ["bootstrap.model_dir=null"])
+
+
+def test_train_reports_a_missing_model_in_one_line_before_creating_anything(tmp_path, tiny_model_dir, countdown_dir,
+                                                                            capsys):
+    config_path = tmp_path / "run.yaml"
+    config_lib.dump(tiny_config(tmp_path, tmp_path / "no-model", countdown_dir), config_path)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--config", str(config_path)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith(f"missing input: model.dir: model directory '{tmp_path / 'no-model'}'")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]
+
+
+def write_countdown(directory: Path, nums, target) -> Path:
+    (directory / "data").mkdir(parents=True)
+    pq.write_table(pa.table({"nums": [[1, 2]] * 3, "target": [3] * 3}), directory / "data" / "a.parquet")
+    pq.write_table(pa.table({"nums": nums, "target": target}), directory / "data" / "b.parquet")
+    return directory / "data" / "b.parquet"
+
+
+@pytest.mark.parametrize("nums, target, message", [
+    ([[1, 2], [3, 4]], ["3", "7"], r"b\.parquet: column `target` is string"),
+    ([["1", "2"], ["3"]], [3, 7], r"b\.parquet: column `nums` is list<.*string>"),
+    ([[1, 2], None], [3, 7], r"b\.parquet row 1: \{'nums': None, 'target': 7\}"),
+    ([[1, 2], [3, None]], [3, 7], r"b\.parquet row 1: \{'nums': \[3, None\], 'target': 7\}"),
+    ([[1, 2], []], [3, 7], r"b\.parquet row 1: \{'nums': \[\], 'target': 7\}"),
+    ([[1, 2], [3, 4]], [3, None], r"b\.parquet row 1: \{'nums': \[3, 4\], 'target': None\}"),
+])
+def test_countdown_data_errors_name_file_and_row(nums, target, message, tmp_path):
+    write_countdown(tmp_path, nums, target)
+    with pytest.raises(config_lib.DataError, match=message):
+        countdown_task.read_tasks(tmp_path)
+
+
+def test_evaluate_needs_only_model_and_data(tmp_path, tiny_model_dir, countdown_dir, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no config.yaml here, nor needed
+    out = tmp_path / "samples.jsonl"
+    evaluate.main(["--model", str(tiny_model_dir), "--data", str(countdown_dir), "--max-questions", "2",
+                   "--threads", "1", "--set", "eval.max_gen_len=4", "--set", "task.test_size=4", "--out", str(out)])
+    assert len(out.read_text().splitlines()) == 2
+    assert torch.get_num_threads() == 1
+
+
+@pytest.mark.parametrize("config_text, message", [
+    ("optim:\n  learning_rate: 1.0e-5\n", "unknown key 'optim' in the top level"),
+    ("model:\n  dir: x\n", "model.dir: evaluate.py takes the model from --model"),
+    ("eval:\n  top_k: 3\n", "unknown key 'eval.top_k'"),
+])
+def test_evaluate_refuses_keys_it_would_ignore(config_text, message, tmp_path, tiny_model_dir, capsys):
+    (tmp_path / "eval.yaml").write_text(config_text)
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate.main(["--model", str(tiny_model_dir), "--data", "d", "--config", str(tmp_path / "eval.yaml")])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_progress_bars_only_on_a_terminal(tmp_path, tiny_model_dir, countdown_dir):
+    """Redirected to a file, the log holds plain lines and no progress-bar redraws."""
+    config_path = tmp_path / "run.yaml"
+    config = tiny_config(tmp_path, tiny_model_dir, countdown_dir, "progress=true", "optim.num_steps=1")
+    config_lib.dump(config, config_path)
+    with open(tmp_path / "log.txt", "w") as log:
+        subprocess.run([sys.executable, str(REPO_ROOT / "train.py"), "--config", str(config_path)], cwd=REPO_ROOT,
+                       stdout=log, stderr=subprocess.STDOUT, timeout=300, check=True)
+    text = (tmp_path / "log.txt").read_text()
+    assert "step 1 | reward" in text and "\r" not in text and "it/s" not in text
+
+
+def test_sigterm_or_kill_never_leaves_a_lock_held(tmp_path):
+    holder = hold_lock(tmp_path / "run", tmp_path / "logs")
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    checkpoint.claim_run(tmp_path / "run", tmp_path / "logs", False, False).release()
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"prompt": "a", "response": "b"}\n\n{"prompt": "a", "response": \n', r"pairs\.jsonl line 3: not JSON"),
+    ('{"prompt": "a", "response": "b"}\n["a", "b"]\n', r"pairs\.jsonl line 2: every line must be a JSON object"),
+    ('{"prompt": "a", "response": null}\n', r"pairs\.jsonl line 1: every line must be a JSON object"),
+    ("\n\n", r"pairs\.jsonl: no pairs"),
+])
+def test_sft_jsonl_errors_name_file_and_line(text, message, tmp_path):
+    import train_sft
+    (tmp_path / "pairs.jsonl").write_text(text)
+    with pytest.raises(config_lib.DataError, match=message):
+        train_sft.read_pairs(tmp_path / "pairs.jsonl")
+
+
+def test_prompt_and_answer_must_fit_the_models_positions(tmp_path, tiny_model_dir, countdown_dir, capsys):
+    import json
+    positions = json.loads((tiny_model_dir / "config.json").read_text())["max_position_embeddings"]
+    config_path = tmp_path / "run.yaml"
+    config_lib.dump(tiny_config(tmp_path, tiny_model_dir, countdown_dir, f"rollout.max_gen_len={positions}"), config_path)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--config", str(config_path)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (f"config error: rollout.max_prompt_len + rollout.max_gen_len: must be <= the "
+                                       f"model's max_position_embeddings ({positions}), got {256 + positions}\n")
+    assert not list(tmp_path.rglob("step_*")) and not list(tmp_path.rglob("events.out.tfevents.*"))
+
+
+def test_sft_runs_of_one_name_never_share_a_log_directory(tmp_path, tiny_model_dir, countdown_dir, capsys):
+    import train_sft
+    log_dir = tmp_path / "logs" / "sft-x"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK.format(root=str(REPO_ROOT)), str(log_dir), str(log_dir)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "locked\n"
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            train_sft.main(["--config", "config_cpu_sft.yaml", f"--set=model.dir={tiny_model_dir}", "--set=run_name=sft-x",
+                            f"--set=task.data_dir={countdown_dir}", f"--set=logging.log_dir={tmp_path / 'logs'}",
+                            f"--set=output_dir={tmp_path / 'out'}"])
+    finally:
+        holder.stdin.close()
+        holder.wait()
+    assert exit_info.value.code == 2
+    assert f"{log_dir.resolve()} is in use by process {holder.pid}" in capsys.readouterr().err
