@@ -10,7 +10,7 @@ import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal, NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -105,6 +105,19 @@ def compute_advantages(episodes: list[Episode], config: LossConfig) -> list[floa
     return advantages
 
 
+class BatchCounts(NamedTuple):
+    """Counts over the whole batch (under data parallel: every rank's episodes)."""
+
+    sequences: int
+    tokens: int  # generated tokens
+    with_advantage: int  # episodes whose advantage is not 0: none means nothing to learn
+
+
+def batch_counts(episodes: list[Episode], advantages: list[float]) -> BatchCounts:
+    """This rank's counts; a data-parallel caller sums them over ranks."""
+    return BatchCounts(len(episodes), sum(e.num_generated_tokens for e in episodes), sum(a != 0 for a in advantages))
+
+
 def episode_loss_weights(episodes: list[Episode], config: LossConfig, num_sequences: int, num_tokens: int,
                          max_gen_len: int) -> list[float]:
     """The weight of each of an episode's token losses, so the batch loss is the chosen average.
@@ -157,7 +170,7 @@ def update_policy(
     optimizer_step,
     episodes: list[Episode],
     advantages: list[float],
-    counts: tuple[int, int],
+    counts: "BatchCounts",
     config: LossConfig,
     optim: "OptimConfig",
     max_gen_len: int,
@@ -166,16 +179,19 @@ def update_policy(
 ) -> dict[str, float]:
     """`config.epochs_per_rollout` optimizer steps on these episodes; returns sums for `update_metrics`.
 
-    counts: (sequences, generated tokens) of the whole batch, which the loss is averaged over. Under
-    data parallel `episodes` are this rank's and the counts all ranks', so the ranks' losses add up.
+    counts: the whole batch's; the loss is averaged over its sequences or tokens. Under data parallel
+    `episodes` are this rank's and the counts all ranks', so the ranks' losses add up to one loss.
     optimizer_step (distributed.OptimizerStep): each micro-batch's forward and backward run inside
     `optimizer_step.micro_batch(last)` (`last`: an epoch's last micro-batch); `optimizer_step()`
     then applies the accumulated gradients and returns their norm.
     """
-    if not counts[0]:
-        logger.warning("no episodes to train on this step (all were filtered out); skipping the update")
+    if not counts.with_advantage:
+        # Every advantage is 0 (no group has any reward spread), so the gradient would be exactly 0:
+        # skip the forward and backward, and the optimizer step, which would still move AdamW's moments.
+        if not counts.sequences:
+            logger.warning("no episodes to train on this step (all were filtered out); skipping the update")
         return {}
-    weights = episode_loss_weights(episodes, config, *counts, max_gen_len)
+    weights = episode_loss_weights(episodes, config, counts.sequences, counts.tokens, max_gen_len)
     start = time.perf_counter()
     device = next(model.parameters()).device
     batches = micro_batches(episodes, optim.micro_batch_size)

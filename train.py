@@ -23,7 +23,8 @@ from bootstrap import BootstrapConfig
 from data_types import Episode, QuestionBatch
 from distributed import DistributedConfig
 from evaluate import EvalConfig, evaluate
-from grpo import UPDATE_SUMS, LossConfig, compute_advantages, rollout, update_metrics, update_policy
+from grpo import (UPDATE_SUMS, BatchCounts, LossConfig, batch_counts, compute_advantages, rollout, update_metrics,
+                  update_policy)
 from optimizer import MemoryEfficientAdamW
 from run_logging import LoggingConfig, RunLogger
 from runtime import (ModelSetup, load_model, resolve_device, rng_state, seed_everything, set_cpu_threads, set_rng_state,
@@ -56,6 +57,7 @@ class OptimConfig:
     skip_unfinished_episodes: bool = False  # leave out of the loss episodes that hit max_gen_len
     memory_efficient_adamw: bool = False  # keep AdamW's moments in CPU memory
     logprob_chunk_size: int = 256  # sequence positions per lm_head chunk in the update
+    warn_after_zero_reward_steps: int = 5  # consecutive steps without any reward before a warning (0: never)
 
 
 @dataclass
@@ -197,6 +199,7 @@ def train(config: TrainConfig, resume: str | None = None) -> dict:
 
     evaluation = functools.partial(run_evaluation, model, tokenizer, test_set, reward_for_item, config, run_logger)
     eval_metrics = evaluation(0) if config.eval.interval and start_step == 0 else {}
+    zero_reward_steps = 0  # consecutive steps in which no episode earned any reward
     for step in range(start_step + 1, config.optim.num_steps + 1):
         batch = question_batch(train_set, step, config)
         rollout_start = time.perf_counter()
@@ -206,9 +209,13 @@ def train(config: TrainConfig, resume: str | None = None) -> dict:
         rollout_seconds = time.perf_counter() - rollout_start
         train_episodes = [e for e in episodes if e.is_finished] if config.optim.skip_unfinished_episodes else episodes
         advantages = compute_advantages(train_episodes, config.loss)
-        update = update_policy(policy, optimizer_step, train_episodes, advantages, global_counts(train_episodes),
-                               config.loss, config.optim, config.rollout.max_gen_len, tokenizer.pad_token_id, progress)
-        log_step(run_logger, step, episodes, update, rollout_seconds, optimizer, config)
+        counts = global_counts(train_episodes, advantages)
+        update = update_policy(policy, optimizer_step, train_episodes, advantages, counts, config.loss, config.optim,
+                               config.rollout.max_gen_len, tokenizer.pad_token_id, progress)
+        no_reward = log_step(run_logger, step, episodes, update, rollout_seconds, optimizer, config)
+        zero_reward_steps = zero_reward_steps + 1 if no_reward else 0
+        if no_reward and zero_reward_steps == config.optim.warn_after_zero_reward_steps:
+            warn_no_reward(config, zero_reward_steps)
         if config.eval.interval and step % config.eval.interval == 0:
             eval_metrics = evaluation(step)
         if (config.checkpoint.interval and step % config.checkpoint.interval == 0) or step == config.optim.num_steps:
@@ -289,37 +296,65 @@ def question_batch(train_set, step: int, config: TrainConfig) -> QuestionBatch:
                       config.rollout.max_prompt_len)
 
 
-def global_counts(episodes: list[Episode]) -> tuple[int, int]:
-    """Episodes and generated tokens over all ranks: what the loss is averaged over."""
-    counts = distributed.global_sums({"sequences": len(episodes),
-                                      "tokens": sum(e.num_generated_tokens for e in episodes)})
-    return int(counts["sequences"]), int(counts["tokens"])
+def global_counts(episodes: list[Episode], advantages: list[float]) -> BatchCounts:
+    """batch_counts summed over all ranks: what the loss is averaged over, and whether there is signal."""
+    sums = distributed.global_sums(batch_counts(episodes, advantages)._asdict())
+    return BatchCounts(*(int(count) for count in sums.values()))
 
 
 def log_step(run_logger, step: int, episodes: list[Episode], update: dict, rollout_seconds: float, optimizer,
-             config: TrainConfig) -> None:
-    """All ranks' episodes and update sums into the console line and TensorBoard (rank 0 writes)."""
+             config: TrainConfig) -> bool:
+    """All ranks' episodes and update sums into the console line and TensorBoard (rank 0 writes).
+
+    Returns whether no episode of the step (on any rank) earned any reward.
+    """
     update = all_ranks_update_metrics(update)
     episodes = [episode for rank_episodes in distributed.all_gather(episodes) for episode in rank_episodes]
+    no_reward = not any(e.reward > 0 for e in episodes)
     if not run_logger:
-        return
+        return no_reward
     generated_tokens = sum(e.num_generated_tokens for e in episodes)
     metrics = {
         **episode_metrics(episodes, config.rollout.num_answers_per_question),
         **{f"train/{key}": value for key, value in update.items()},
+        "train/update_skipped": float(not update),
         "train/learning_rate": optimizer.param_groups[0]["lr"],
         "time/rollout_seconds": rollout_seconds,
         "time/generated_tokens_per_second": generated_tokens / rollout_seconds,
     }
     run_logger.scalars(metrics, step)
-    logger.info("step %d | reward %.3f | success %.3f | format %.3f | loss %.4f | grad %.3f | entropy %.3f | "
-                "len %.0f | rollout %.1fs (%.0f tok/s) | update %.1fs", step, metrics["reward/mean"],
-                metrics["train/success_rate"], metrics["reward/format"], update.get("loss", 0.0),
-                update.get("grad_norm", 0.0), update.get("entropy", 0.0), metrics["response_length/mean"],
-                rollout_seconds, metrics["time/generated_tokens_per_second"], update.get("update_seconds", 0.0))
+    head = (f"step {step} | reward {metrics['reward/mean']:.3f} | success {metrics['train/success_rate']:.3f} | "
+            f"format {metrics['reward/format']:.3f} | flat groups {metrics['train/zero_spread_group_fraction']:.2f}")
+    rollout = (f"len {metrics['response_length/mean']:.0f} | rollout {rollout_seconds:.1f}s "
+               f"({metrics['time/generated_tokens_per_second']:.0f} tok/s)")
+    if update:
+        logger.info("%s | loss %.4f | grad %.3f | entropy %.3f | %s | update %.1fs", head, update["loss"],
+                    update["grad_norm"], update["entropy"], rollout, update["update_seconds"])
+    else:  # no episode has a nonzero advantage (or none is left): the gradient would be exactly 0
+        logger.info("%s | update skipped: no reward spread in any group | %s", head, rollout)
     if config.logging.sample_interval and step % config.logging.sample_interval == 0:
         for index, episode in enumerate(episodes[: config.logging.num_samples]):
             run_logger.text(f"episodes/{index}", format_episode(episode), step)
+    return no_reward
+
+
+# The SFT warm-up's config for each task (its data and prompts); see warn_no_reward.
+SFT_CONFIGS = {"countdown": "config_cpu_sft.yaml", "gsm8k": "configs/gsm8k_sft.yaml"}
+
+
+def warn_no_reward(config: TrainConfig, steps: int) -> None:
+    if not distributed.is_main_process():
+        return
+    logger.warning(
+        "no episode has earned any reward for %d steps in a row. The model (%s) does not yet write the answer "
+        "format the %s reward checks, so every group has zero reward spread, every advantage is 0 and GRPO has "
+        "nothing to learn from (these updates are skipped). A small or base model needs the SFT warm-up on the "
+        "task's reference solutions first:\n"
+        "    uv run train_sft.py --config %s --set model.dir=%s --set task.data_dir=%s --set output_dir=%s-sft\n"
+        "(a pretrained model wants a small rate, e.g. --set optim.learning_rate=1e-5), then train from it with "
+        "--set model.dir=%s-sft. optim.warn_after_zero_reward_steps sets when this warning appears (0: never).",
+        steps, config.model.dir, config.task.name, SFT_CONFIGS[config.task.name], config.model.dir,
+        config.task.data_dir, config.model.dir, config.model.dir)
 
 
 def all_ranks_update_metrics(update: dict) -> dict[str, float]:
