@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from data_types import Episode, QuestionBatch
 from generation import generate
-from logprobs import token_log_probs
+from logprobs import pad_sequences, token_log_probs
 
 if TYPE_CHECKING:  # the config sections live with the entry point that reads them
     from train import OptimConfig, RolloutConfig
@@ -154,15 +154,9 @@ def micro_batches(episodes: list[Episode], micro_batch_size: int) -> list[list[i
 
 
 def pad_micro_batch(episodes: list[Episode], pad_token_id: int, device):
-    """Right-padded tokens [B, T] and a mask [B, T-1] marking positions that predict generated tokens."""
-    lengths = [len(e.prompt_token_ids) + e.num_generated_tokens for e in episodes]
-    tokens = torch.full((len(episodes), max(lengths)), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(episodes), max(lengths) - 1), dtype=torch.bool)
-    for row, episode in enumerate(episodes):
-        sequence = episode.prompt_token_ids + episode.generated_token_ids
-        tokens[row, : len(sequence)] = torch.tensor(sequence)
-        mask[row, len(episode.prompt_token_ids) - 1 : len(sequence) - 1] = True
-    return tokens.to(device), mask.to(device)
+    """Right-padded prompt + answer tokens [B, T] and a mask [B, T-1] of the positions predicting answer tokens."""
+    return pad_sequences([e.prompt_token_ids + e.generated_token_ids for e in episodes],
+                         [len(e.prompt_token_ids) for e in episodes], pad_token_id, device)
 
 
 def update_policy(

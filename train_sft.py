@@ -27,7 +27,7 @@ import distributed
 import tasks
 from distributed import DistributedConfig
 from evaluate import EvalConfig, evaluate
-from logprobs import token_log_probs
+from logprobs import pad_sequences, token_log_probs
 from optimizer import MemoryEfficientAdamW
 from run_logging import LoggingConfig, RunLogger
 from runtime import ModelSetup, load_model, resolve_device, seed_everything, set_cpu_threads, step_indices
@@ -131,16 +131,11 @@ def load_examples(config: SFTConfig, tokenizer):
 
 def response_nll(model, examples, pad_token_id: int, chunk_size: int) -> tuple[torch.Tensor, int]:
     """Summed NLL of the response tokens of `examples`, and how many tokens that is."""
-    device = next(model.parameters()).device
-    length = max(len(ids) for ids, _ in examples)
-    tokens = torch.full((len(examples), length), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(examples), length - 1), dtype=torch.bool)
-    for row, (ids, prompt_length) in enumerate(examples):
-        tokens[row, : len(ids)] = torch.tensor(ids)
-        mask[row, prompt_length - 1 : len(ids) - 1] = True
-    tokens, mask = tokens.to(device), mask.to(device)
+    tokens, mask = pad_sequences([ids for ids, _ in examples], [prompt_length for _, prompt_length in examples],
+                                 pad_token_id, next(model.parameters()).device)
     log_probs, _ = token_log_probs(model, tokens, chunk_size)
-    return -(log_probs * mask).sum(), int(mask.sum())
+    # The count from the host's lists: reading mask.sum() would wait for the device.
+    return -(log_probs * mask).sum(), sum(len(ids) - prompt_length for ids, prompt_length in examples)
 
 
 @torch.no_grad()
