@@ -22,7 +22,7 @@ import tasks
 from bootstrap import BootstrapConfig
 from data_types import Episode, QuestionBatch
 from distributed import DistributedConfig
-from evaluate import EvalConfig, evaluate
+from evaluate import EvalConfig, run_evaluation
 from grpo import (UPDATE_SUMS, BatchCounts, LossConfig, batch_counts, compute_advantages, rollout, update_metrics,
                   update_policy)
 from optimizer import MemoryEfficientAdamW
@@ -134,7 +134,7 @@ def make_batch(dataset, indices: list[int], max_prompt_len: int) -> QuestionBatc
         else:
             raise ValueError(f"no prompt in the training set fits rollout.max_prompt_len={max_prompt_len}; raise it.")
         items.append(item)
-    return QuestionBatch([i["prompt"] for i in items], [i["prompt_token_ids"] for i in items], items)
+    return QuestionBatch.of_items(items)
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -163,19 +163,6 @@ def format_episode(episode: Episode) -> str:
             f"--- prompt ---\n{episode.prompt}\n--- response ---\n{episode.text}")
 
 
-def run_evaluation(model, tokenizer, test_set, reward_for_item, config: TrainConfig, run_logger, step: int) -> dict:
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(config.seed)
-    metrics, samples = evaluate(model, tokenizer, test_set, reward_for_item,
-                                config.eval.max_gen_len or config.rollout.max_gen_len, config.eval, generator,
-                                progress=config.progress and distributed.is_main_process())
-    if run_logger:  # rank 0 only
-        run_logger.scalars({f"eval/{key}": value for key, value in metrics.items()}, step)
-        run_logger.text("eval/sample", f"{samples[0]['prompt']}{samples[0]['response']}", step)
-    logger.info("eval step %d: success %.3f format %.3f (%d questions)", step, metrics["success_rate"],
-                metrics["format_rate"], metrics["num_questions"])
-    return metrics
-
-
 def train(config: TrainConfig, resume: str | None = None) -> dict:
     """Run GRPO as configured; returns the last evaluation's metrics (empty if none ran)."""
     device = set_up_process(config)
@@ -197,8 +184,10 @@ def train(config: TrainConfig, resume: str | None = None) -> dict:
     logger.info("run %s on %s: %d train / %d test questions, logs in %s", config.run_name, device, len(train_set),
                 len(test_set), Path(config.logging.log_dir) / config.run_name)
 
-    evaluation = functools.partial(run_evaluation, model, tokenizer, test_set, reward_for_item, config, run_logger)
-    eval_metrics = evaluation(0) if config.eval.interval and start_step == 0 else {}
+    evaluation = functools.partial(run_evaluation, model, tokenizer, test_set, reward_for_item,
+                                   config.eval.max_gen_len or config.rollout.max_gen_len, config.eval, config.seed,
+                                   run_logger, progress=progress)
+    eval_metrics = evaluation(step=0) if config.eval.interval and start_step == 0 else {}
     zero_reward_steps = 0  # consecutive steps in which no episode earned any reward
     for step in range(start_step + 1, config.optim.num_steps + 1):
         batch = question_batch(train_set, step, config)
@@ -217,7 +206,7 @@ def train(config: TrainConfig, resume: str | None = None) -> dict:
         if no_reward and zero_reward_steps == config.optim.warn_after_zero_reward_steps:
             warn_no_reward(config, zero_reward_steps)
         if config.eval.interval and step % config.eval.interval == 0:
-            eval_metrics = evaluation(step)
+            eval_metrics = evaluation(step=step)
         if (config.checkpoint.interval and step % config.checkpoint.interval == 0) or step == config.optim.num_steps:
             save_checkpoint(config, step, model, optimizer, generator, model_dir)
     if run_logger:

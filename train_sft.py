@@ -26,7 +26,7 @@ import config as config_lib
 import distributed
 import tasks
 from distributed import DistributedConfig
-from evaluate import EvalConfig, evaluate
+from evaluate import EvalConfig, run_evaluation
 from logprobs import pad_sequences, token_log_probs
 from optimizer import MemoryEfficientAdamW
 from run_logging import LoggingConfig, RunLogger
@@ -163,18 +163,18 @@ def learning_rate(step: int, config: SFTOptimConfig) -> float:
     return config.learning_rate * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def run_evaluation(model, tokenizer, eval_examples, config: SFTConfig, run_logger, step: int) -> dict:
+def evaluate_sft(model, tokenizer, eval_examples, config: SFTConfig, run_logger, step: int) -> dict:
+    """The held-out loss, then (unless eval.max_questions is 0) the task's own evaluation, as eval/* metrics."""
     metrics = {"eval/loss": held_out_loss(model, eval_examples, config, tokenizer.pad_token_id)}
-    if config.eval.max_questions != 0:
-        test_set = tasks.load_dataset(config.task, tokenizer, "test")
-        generator = torch.Generator(device=next(model.parameters()).device).manual_seed(config.seed)
-        task_metrics, _ = evaluate(model, tokenizer, test_set, tasks.reward_function(config.task),
-                                   config.eval.max_gen_len or config.data.max_seq_len, config.eval, generator,
-                                   progress=config.progress and distributed.is_main_process())
-        metrics.update({f"eval/{key}": value for key, value in task_metrics.items()})
     if run_logger:  # rank 0 only
         run_logger.scalars(metrics, step)
-    logger.info("eval step %d: %s", step, " ".join(f"{k.removeprefix('eval/')} {v:.4g}" for k, v in metrics.items()))
+    logger.info("eval step %d: held-out loss %.4g", step, metrics["eval/loss"])
+    if config.eval.max_questions != 0:
+        test_set = tasks.load_dataset(config.task, tokenizer, "test")
+        task_metrics = run_evaluation(model, tokenizer, test_set, tasks.reward_function(config.task),
+                                      config.eval.max_gen_len or config.data.max_seq_len, config.eval, config.seed,
+                                      run_logger, step, progress=config.progress and distributed.is_main_process())
+        metrics.update({f"eval/{key}": value for key, value in task_metrics.items()})
     return metrics
 
 
@@ -200,7 +200,7 @@ def train_sft(config: SFTConfig) -> dict:
     logger.info("SFT %s on %s: %d train / %d held-out pairs, logs in %s", config.run_name, device,
                 len(train_examples), len(eval_examples), Path(config.logging.log_dir) / config.run_name)
 
-    metrics = run_evaluation(model, tokenizer, eval_examples, config, run_logger, 0) if config.eval.interval else {}
+    metrics = evaluate_sft(model, tokenizer, eval_examples, config, run_logger, 0) if config.eval.interval else {}
     bar = tqdm(range(optim.num_steps), desc="sft", disable=not (config.progress and is_main))
     for step in bar:
         start = time.perf_counter()
@@ -230,7 +230,7 @@ def train_sft(config: SFTConfig) -> dict:
                                 "train/tokens_per_second": num_tokens / seconds}, step + 1)
         bar.set_postfix(loss=f"{total_nll / num_tokens:.3f}")
         if config.eval.interval and ((step + 1) % config.eval.interval == 0 or step + 1 == optim.num_steps):
-            metrics = run_evaluation(model, tokenizer, eval_examples, config, run_logger, step + 1)
+            metrics = evaluate_sft(model, tokenizer, eval_examples, config, run_logger, step + 1)
     savable = distributed.savable_model(model)  # every rank takes part: FSDP gathers the shards
     if is_main:
         path = checkpoint.save(config.output_dir, savable, config.model.dir, config)
