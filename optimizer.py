@@ -7,6 +7,7 @@ Moving the moments to host RAM trades that GPU memory for PCIe traffic each step
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
@@ -141,3 +142,23 @@ def _adamw(
         eps=group["eps"],
         maximize=False,
     )
+
+
+@dataclass
+class AdamWConfig:
+    """The optim keys train.py and train_sft.py share: steps, AdamW, clipping and micro-batch shape."""
+
+    num_steps: int = 1000
+    learning_rate: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    micro_batch_size: int = 2
+    max_grad_norm: float = 1.0
+    memory_efficient_adamw: bool = False  # keep AdamW's moments in CPU memory
+    logprob_chunk_size: int = 256  # sequence positions per lm_head chunk in the update
+
+
+def new_adamw(params: ParamsT, config: AdamWConfig) -> MemoryEfficientAdamW:
+    return MemoryEfficientAdamW(params, lr=config.learning_rate, betas=config.betas, eps=config.eps,
+                                weight_decay=config.weight_decay, enabled=config.memory_efficient_adamw)

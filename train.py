@@ -25,7 +25,7 @@ from distributed import DistributedConfig
 from evaluate import EvalConfig, run_evaluation
 from grpo import (UPDATE_SUMS, BatchCounts, LossConfig, batch_counts, compute_advantages, rollout, update_metrics,
                   update_policy)
-from optimizer import MemoryEfficientAdamW
+from optimizer import AdamWConfig, new_adamw
 from run_logging import LoggingConfig, RunLogger
 from runtime import (ModelSetup, load_model, resolve_device, rng_state, seed_everything, set_cpu_threads, set_rng_state,
                      step_indices)
@@ -46,17 +46,8 @@ class RolloutConfig:
 
 
 @dataclass
-class OptimConfig:
-    num_steps: int = 1000
-    learning_rate: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    micro_batch_size: int = 2
-    max_grad_norm: float = 1.0
+class OptimConfig(AdamWConfig):
     skip_unfinished_episodes: bool = False  # leave out of the loss episodes that hit max_gen_len
-    memory_efficient_adamw: bool = False  # keep AdamW's moments in CPU memory
-    logprob_chunk_size: int = 256  # sequence positions per lm_head chunk in the update
     warn_after_zero_reward_steps: int = 5  # consecutive steps without any reward before a warning (0: never)
 
 
@@ -175,7 +166,7 @@ def train(config: TrainConfig, resume: str | None = None) -> dict:
     tokenizer = Tokenizer(model_dir)
     train_set, test_set = (tasks.load_dataset(config.task, tokenizer, split) for split in ("train", "test"))
     reward_for_item = tasks.reward_function(config.task)
-    optimizer = new_optimizer(model, config.optim)
+    optimizer = new_adamw(model.parameters(), config.optim)
     optimizer_step = distributed.OptimizerStep(policy, optimizer, config.optim.max_grad_norm)
     generator = torch.Generator(device=device).manual_seed(config.seed + distributed.rank())
     start_step = restore_trainer_state(checkpoint_dir, model, optimizer, generator) if checkpoint_dir else 0
@@ -242,11 +233,6 @@ def load_policy(config: TrainConfig, model_dir: Path, device: torch.device):
     # FSDP: load on the CPU, and each block moves to the device already sharded.
     model = load_model(config.model, torch.device("cpu") if shard else device, model_dir)
     return model, distributed.training_model(model, device, config.distributed.fsdp)
-
-
-def new_optimizer(model, optim: OptimConfig) -> MemoryEfficientAdamW:
-    return MemoryEfficientAdamW(model.parameters(), lr=optim.learning_rate, betas=optim.betas, eps=optim.eps,
-                                weight_decay=optim.weight_decay, enabled=optim.memory_efficient_adamw)
 
 
 def restore_trainer_state(checkpoint_dir: Path, model, optimizer, generator: torch.Generator) -> int:

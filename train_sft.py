@@ -28,7 +28,7 @@ import tasks
 from distributed import DistributedConfig
 from evaluate import EvalConfig, run_evaluation
 from logprobs import pad_sequences, token_log_probs
-from optimizer import MemoryEfficientAdamW
+from optimizer import AdamWConfig, new_adamw
 from run_logging import LoggingConfig, RunLogger
 from runtime import ModelSetup, load_model, resolve_device, seed_everything, set_cpu_threads, step_indices
 from tokenizer import Tokenizer
@@ -45,19 +45,12 @@ class SFTDataConfig:
 
 
 @dataclass
-class SFTOptimConfig:
-    num_steps: int = 1000
+class SFTOptimConfig(AdamWConfig):
     batch_size: int = 32  # pairs per optimizer step
     micro_batch_size: int = 8
-    learning_rate: float = 1e-5
     min_learning_rate_ratio: float = 0.1  # cosine decay to learning_rate x this
     warmup_steps: int = 0
-    weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    max_grad_norm: float = 1.0
-    memory_efficient_adamw: bool = False
-    logprob_chunk_size: int = 256
 
 
 @dataclass
@@ -192,8 +185,7 @@ def train_sft(config: SFTConfig) -> dict:
     tokenizer = Tokenizer(config.model.dir)
     train_examples, eval_examples = load_examples(config, tokenizer)
     optim = config.optim
-    optimizer = MemoryEfficientAdamW(model.parameters(), lr=optim.learning_rate, betas=optim.betas, eps=optim.eps,
-                                     weight_decay=optim.weight_decay, enabled=optim.memory_efficient_adamw)
+    optimizer = new_adamw(model.parameters(), optim)
     optimizer_step = distributed.OptimizerStep(policy, optimizer, optim.max_grad_norm)
     is_main = distributed.is_main_process()
     run_logger = RunLogger(config.logging, config.run_name, config_lib.to_dict(config)) if is_main else None
