@@ -3,12 +3,14 @@ seeding and data order."""
 
 import random
 from dataclasses import dataclass
+from datetime import datetime
 from functools import lru_cache
 from typing import Literal
 
 import numpy as np
 import torch
 
+import distributed
 from qwen2_model import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -22,6 +24,19 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"device: {name} was requested but no CUDA GPU is visible; use device: auto or cpu.")
     return device
+
+
+def set_up_process(device: str, cpu_threads: int | None, seed: int) -> torch.device:
+    """This rank's device; CPU threads set and every global random generator seeded."""
+    rank_device = distributed.rank_device(resolve_device(device))
+    set_cpu_threads(cpu_threads)
+    seed_everything(seed)
+    return rank_device
+
+
+def agreed_run_name(prefix: str = "") -> str:
+    """A name from the time, the same on every rank: rank 0's clock decides it."""
+    return distributed.all_gather(prefix + datetime.now().strftime("%Y%m%d-%H%M%S"))[0]
 
 
 def set_cpu_threads(cpu_threads: int | None) -> None:
@@ -64,6 +79,15 @@ def load_model(setup: ModelSetup, device: torch.device, model_dir=None) -> Trans
     model = Transformer.from_pretrained(model_dir or setup.dir, device=device, dtype=DTYPES[setup.dtype])
     model.gradient_checkpointing = setup.gradient_checkpointing
     return model
+
+
+def load_policy(setup: ModelSetup, model_dir, device: torch.device, fsdp: bool) -> tuple[Transformer, torch.nn.Module]:
+    """(model, policy): the model for generation, evaluation and saving, and the module the update runs
+    (DDP or FSDP2 under torchrun; see distributed.training_model)."""
+    # FSDP: load on the CPU, and each block moves to the device already sharded.
+    shard = fsdp and distributed.is_initialized()
+    model = load_model(setup, torch.device("cpu") if shard else device, model_dir)
+    return model, distributed.training_model(model, device, fsdp)
 
 
 @lru_cache(maxsize=4)

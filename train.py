@@ -9,7 +9,6 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -27,8 +26,7 @@ from grpo import (UPDATE_SUMS, BatchCounts, LossConfig, batch_counts, compute_ad
                   update_policy)
 from optimizer import AdamWConfig, new_adamw
 from run_logging import LoggingConfig, RunLogger
-from runtime import (ModelSetup, load_model, resolve_device, rng_state, seed_everything, set_cpu_threads, set_rng_state,
-                     step_indices)
+from runtime import ModelSetup, agreed_run_name, load_policy, rng_state, set_rng_state, set_up_process, step_indices
 from tokenizer import Tokenizer
 
 logger = logging.getLogger("train")
@@ -156,13 +154,13 @@ def format_episode(episode: Episode) -> str:
 
 def train(config: TrainConfig, resume: str | None = None) -> dict:
     """Run GRPO as configured; returns the last evaluation's metrics (empty if none ran)."""
-    device = set_up_process(config)
+    device = set_up_process(config.device, config.cpu_threads, config.seed)
     checkpoint_dir = checkpoint.find(resume) if resume else None
-    config.run_name = config.run_name or (checkpoint_dir.parent.name if checkpoint_dir else timestamp())
+    config.run_name = config.run_name or (checkpoint_dir.parent.name if checkpoint_dir else agreed_run_name())
     prepare_missing_inputs(config)
     # A checkpoint holds the policy and a copy of the tokenizer, so it is a complete model directory.
     model_dir = checkpoint_dir or Path(config.model.dir)
-    model, policy = load_policy(config, model_dir, device)  # policy: what the update runs (DDP/FSDP or model)
+    model, policy = load_policy(config.model, model_dir, device, config.distributed.fsdp)
     tokenizer = Tokenizer(model_dir)
     train_set, test_set = (tasks.load_dataset(config.task, tokenizer, split) for split in ("train", "test"))
     reward_for_item = tasks.reward_function(config.task)
@@ -208,31 +206,10 @@ def train(config: TrainConfig, resume: str | None = None) -> dict:
 # ----------------------------------------------------------------------------- set-up
 
 
-def set_up_process(config: TrainConfig) -> torch.device:
-    """This rank's device; CPU threads and every random generator seeded from config.seed."""
-    device = distributed.rank_device(resolve_device(config.device))
-    set_cpu_threads(config.cpu_threads)
-    seed_everything(config.seed)
-    return device
-
-
-def timestamp() -> str:
-    return datetime.now().strftime("%Y%m%d-%H%M%S")
-
-
 def prepare_missing_inputs(config: TrainConfig) -> None:
     """The data and config.model.dir, created by the bootstrap commands where missing (the CPU demo)."""
     if distributed.world_size() == 1:  # ranks would race to write the same files: bootstrap single-process
         bootstrap.prepare_missing_inputs(config.bootstrap, config.task, config.model.dir)
-
-
-def load_policy(config: TrainConfig, model_dir: Path, device: torch.device):
-    """(model, policy): the model for generation and saving, and the module the update runs (see
-    distributed.training_model)."""
-    shard = config.distributed.fsdp and distributed.is_initialized()
-    # FSDP: load on the CPU, and each block moves to the device already sharded.
-    model = load_model(config.model, torch.device("cpu") if shard else device, model_dir)
-    return model, distributed.training_model(model, device, config.distributed.fsdp)
 
 
 def restore_trainer_state(checkpoint_dir: Path, model, optimizer, generator: torch.Generator) -> int:

@@ -15,7 +15,6 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -30,7 +29,7 @@ from evaluate import EvalConfig, run_evaluation
 from logprobs import pad_sequences, token_log_probs
 from optimizer import AdamWConfig, new_adamw
 from run_logging import LoggingConfig, RunLogger
-from runtime import ModelSetup, load_model, resolve_device, seed_everything, set_cpu_threads, step_indices
+from runtime import ModelSetup, agreed_run_name, load_policy, set_up_process, step_indices
 from tokenizer import Tokenizer
 
 logger = logging.getLogger("train_sft")
@@ -173,15 +172,9 @@ def evaluate_sft(model, tokenizer, eval_examples, config: SFTConfig, run_logger,
 
 def train_sft(config: SFTConfig) -> dict:
     """Fine-tune config.model.dir into config.output_dir; returns the final evaluation's metrics."""
-    device = distributed.rank_device(resolve_device(config.device))
-    set_cpu_threads(config.cpu_threads)
-    seed_everything(config.seed)
-    # Every rank needs the same name; rank 0's clock decides it.
-    config.run_name = config.run_name or distributed.all_gather("sft-" + datetime.now().strftime("%Y%m%d-%H%M%S"))[0]
-    shard = config.distributed.fsdp and distributed.is_initialized()
-    # FSDP: load on the CPU, and each block moves to the device already sharded.
-    model = load_model(config.model, torch.device("cpu") if shard else device)
-    policy = distributed.training_model(model, device, config.distributed.fsdp)  # what the update runs
+    device = set_up_process(config.device, config.cpu_threads, config.seed)
+    config.run_name = config.run_name or agreed_run_name("sft-")
+    model, policy = load_policy(config.model, config.model.dir, device, config.distributed.fsdp)
     tokenizer = Tokenizer(config.model.dir)
     train_examples, eval_examples = load_examples(config, tokenizer)
     optim = config.optim
