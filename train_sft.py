@@ -135,14 +135,15 @@ def held_out_loss(model, examples, config: SFTConfig, pad_token_id: int) -> floa
     """Mean response-token NLL; each rank scores its share of the examples."""
     model.eval()
     examples = [examples[i] for i in distributed.shard_range(len(examples))]
-    totals = {"nll": 0.0, "tokens": 0}
+    # float64 on the device, read once: the same sum as Python floats, without a wait per micro-batch.
+    total_nll, num_tokens = torch.zeros((), dtype=torch.float64, device=next(model.parameters()).device), 0
     # Under FSDP, gathered once: the ranks' shares may take different numbers of forwards.
     with distributed.full_parameters(model):
         for start in range(0, len(examples), config.optim.micro_batch_size):
             nll, tokens = response_nll(model, examples[start : start + config.optim.micro_batch_size], pad_token_id,
                                        config.optim.logprob_chunk_size)
-            totals = {"nll": totals["nll"] + nll.item(), "tokens": totals["tokens"] + tokens}
-    totals = distributed.global_sums(totals)
+            total_nll, num_tokens = total_nll + nll.double(), num_tokens + tokens
+    totals = distributed.global_sums({"nll": total_nll.item(), "tokens": num_tokens})
     return totals["nll"] / totals["tokens"]
 
 
