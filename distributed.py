@@ -141,7 +141,9 @@ def training_model(model: Transformer, device: torch.device, fsdp: bool) -> torc
     if fsdp:
         shard_model(model, device)
         return model
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    # Gradients as views into DDP's communication buckets: no second gradient-sized copy in memory.
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                  gradient_as_bucket_view=True)
     ddp.register_comm_hook(None, _sum_gradients)
     return ddp
 
