@@ -1,8 +1,10 @@
 """GRPO advantages and losses against values and gradients computed by hand in the test."""
 
+import ast
 import copy
 import logging
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,3 +183,12 @@ def test_empty_batch_skips_the_update_with_a_warning(policy, caplog):
         updated, metrics = sgd_update(policy, [], LossConfig(), micro_batch_size=2)
     assert metrics == {} and "no episodes" in caplog.text
     assert_same_parameters(updated, policy, atol=0.0)
+
+
+@pytest.mark.parametrize("module", ["grpo.py", "logprobs.py"])
+def test_algorithm_code_imports_nothing_distributed(module):
+    """Ranks are the caller's business (train.py, distributed.py): the loss is computed from what it is given."""
+    tree = ast.parse((Path(__file__).resolve().parents[1] / module).read_text())
+    names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    names |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert names and not [name for name in names if "distributed" in name]
