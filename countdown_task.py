@@ -248,14 +248,19 @@ def format_reward(response: str) -> float:
     return FORMAT_REWARD if not between.strip(WHITESPACE) and not after.strip(WHITESPACE) else 0.0
 
 
+def extract_answer_text(response: str) -> str | None:
+    """The text inside the response's only <answer>...</answer> pair, or None when there is no single pair."""
+    if response.count("<answer>") != 1 or response.count("</answer>") != 1:
+        return None
+    start, end = response.index("<answer>") + len("<answer>"), response.index("</answer>")
+    return response[start:end] if start <= end else None
+
+
 def answer_reward(response: str, numbers: list[int], target: int) -> float:
     """ANSWER_REWARD when the only <answer>...</answer> holds an expression that uses exactly
     `numbers` (as a multiset) and whose exact value is `target`."""
-    if response.count("<answer>") != 1 or response.count("</answer>") != 1:
-        return 0.0
-    # Tags in the wrong order leave an empty slice, which is not an expression.
-    answer_text = response[response.index("<answer>") + len("<answer>") : response.index("</answer>")]
-    parsed = parse_expression(answer_text)
+    answer_text = extract_answer_text(response)
+    parsed = None if answer_text is None else parse_expression(answer_text)
     if parsed is None:
         return 0.0
     value, literals = parsed

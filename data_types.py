@@ -11,6 +11,10 @@ class QuestionBatch:
     prompt_token_ids: list[list[int]]
     items: list[dict]
 
+    @classmethod
+    def of_items(cls, items: list[dict]) -> "QuestionBatch":
+        return cls([item["prompt"] for item in items], [item["prompt_token_ids"] for item in items], items)
+
 
 @dataclass
 class Episode:

@@ -141,7 +141,9 @@ def training_model(model: Transformer, device: torch.device, fsdp: bool) -> torc
     if fsdp:
         shard_model(model, device)
         return model
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    # Gradients as views into DDP's communication buckets: no second gradient-sized copy in memory.
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                  gradient_as_bucket_view=True)
     ddp.register_comm_hook(None, _sum_gradients)
     return ddp
 
@@ -244,7 +246,9 @@ def savable_model(model: Transformer) -> Transformer | None:
 
 def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """optimizer.state_dict(), or under FSDP the whole state gathered from the shards (every rank calls)."""
-    if not is_sharded(model):
+    # Before the first step (every update so far skipped), torch's FSDP helper would create the state
+    # with a zero-gradient step, which counts as an AdamW step: a resumed run would then differ.
+    if not is_sharded(model) or not optimizer.state:
         return optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -255,6 +259,8 @@ def load_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Opt
     """The inverse of optimizer_state_dict: under FSDP each rank keeps its shard of the whole state."""
     if not is_sharded(model):
         optimizer.load_state_dict(state)
+        return
+    if not state["state"]:  # saved before the first step: a fresh optimizer is that state
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 

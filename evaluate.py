@@ -12,6 +12,7 @@ ranks and the samples gathered.
 
 import argparse
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,10 +23,13 @@ import config as config_lib
 import distributed
 import tasks
 from bootstrap import BootstrapConfig, check_inputs
-from generation import generate
+from data_types import QuestionBatch
+from grpo import rollout
 from run_logging import show_progress
 from runtime import ModelSetup, load_model, resolve_device, set_cpu_threads
 from tokenizer import Tokenizer
+
+logger = logging.getLogger("evaluate")
 
 
 @dataclass
@@ -60,8 +64,13 @@ def evaluate(
 ) -> tuple[dict[str, float], list[dict]]:
     """Success, format and length metrics over the first `config.max_questions` items, and every sample.
 
+    Each batch of questions is a GRPO rollout (sampled and scored the same way) with the eval settings.
     Data-parallel: each rank answers its share of the questions; every rank returns all samples.
     """
+    from train import RolloutConfig  # here, not at the top: train.py imports this module
+
+    sampling = RolloutConfig(num_answers_per_question=config.num_samples, max_gen_len=max_gen_len,
+                             temperature=config.temperature, top_p=config.top_p)
     model.eval()
     num_questions = min(len(dataset), config.max_questions or len(dataset))
     questions = distributed.shard_range(num_questions)
@@ -70,33 +79,37 @@ def evaluate(
     with distributed.full_parameters(model):
         for start in tqdm(range(0, len(questions), config.batch_size), desc="eval", disable=not progress, leave=False):
             question_indices = questions[start : start + config.batch_size]
-            items = [dataset[i] for i in question_indices]
-            completions = generate(
-                model,
-                [item["prompt_token_ids"] for item in items],
-                num_samples_per_prompt=config.num_samples,
-                max_gen_len=max_gen_len,
-                eos_token_id=tokenizer.eos_token_id,
-                temperature=config.temperature,
-                top_p=config.top_p,
-                generator=generator,
-            )
-            for index, completion in enumerate(completions):
-                item = items[index // config.num_samples]
-                response = tokenizer.decode(completion.token_ids)
-                score = reward_for_item(response, item, tokenizer.eos_token)
+            batch = QuestionBatch.of_items([dataset[i] for i in question_indices])
+            # progress: the generation bar moves with every decoded token, not once per batch.
+            for episode in rollout(model, tokenizer, batch, reward_for_item, sampling, generator, progress):
+                item = batch.items[episode.question_index]
                 samples.append(
                     {
-                        "question_index": question_indices[index // config.num_samples],
+                        "question_index": question_indices[episode.question_index],
                         **{key: value for key, value in item.items() if key != "prompt_token_ids"},
-                        "response": response,
-                        "num_tokens": len(completion.token_ids),
-                        "finished": completion.finished,
-                        **score,
+                        "response": episode.text,
+                        "num_tokens": episode.num_generated_tokens,
+                        "finished": episode.is_finished,
+                        "reward": episode.reward,
+                        "reward_info": episode.reward_info,
                     }
                 )
     samples = [sample for rank_samples in distributed.all_gather(samples) for sample in rank_samples]
     return summarize(samples, config.num_samples), samples
+
+
+def run_evaluation(model, tokenizer, dataset, reward_for_item, max_gen_len: int, config: EvalConfig, seed: int,
+                   run_logger, step: int, progress: bool) -> dict[str, float]:
+    """evaluate() during training, sampling from `seed`; its metrics go to TensorBoard as eval/* at
+    `step` (rank 0's run_logger) and to one console line."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    metrics, samples = evaluate(model, tokenizer, dataset, reward_for_item, max_gen_len, config, generator, progress)
+    if run_logger:  # rank 0 only
+        run_logger.scalars({f"eval/{key}": value for key, value in metrics.items()}, step)
+        run_logger.text("eval/sample", f"{samples[0]['prompt']}{samples[0]['response']}", step)
+    logger.info("eval step %d: success %.3f format %.3f (%d questions)", step, metrics["success_rate"],
+                metrics["format_rate"], metrics["num_questions"])
+    return metrics
 
 
 def summarize(samples: list[dict], num_samples: int) -> dict[str, float]:

@@ -12,7 +12,7 @@ import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal, NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -20,7 +20,7 @@ from tqdm import tqdm
 import config as config_lib
 from data_types import Episode, QuestionBatch
 from generation import generate
-from logprobs import token_log_probs
+from logprobs import pad_sequences, token_log_probs
 
 if TYPE_CHECKING:  # the config sections live with the entry point that reads them
     from train import OptimConfig, RolloutConfig
@@ -137,6 +137,19 @@ def reward_std(rewards: torch.Tensor, estimator: str) -> torch.Tensor:
     return rewards.std(correction=1 if estimator == "sample" and len(rewards) > 1 else 0)
 
 
+class BatchCounts(NamedTuple):
+    """Counts over the whole batch (under data parallel: every rank's episodes)."""
+
+    sequences: int
+    tokens: int  # generated tokens
+    with_advantage: int  # episodes whose advantage is not 0: none means nothing to learn
+
+
+def batch_counts(episodes: list[Episode], advantages: list[float]) -> BatchCounts:
+    """This rank's counts; a data-parallel caller sums them over ranks."""
+    return BatchCounts(len(episodes), sum(e.num_generated_tokens for e in episodes), sum(a != 0 for a in advantages))
+
+
 def episode_loss_weights(episodes: list[Episode], config: LossConfig, num_sequences: int, num_tokens: int,
                          max_gen_len: int) -> list[float]:
     """The weight of each of an episode's token losses, so the batch loss is the chosen average.
@@ -180,15 +193,9 @@ def micro_batches(episodes: list[Episode], micro_batch_size: int) -> list[list[i
 
 
 def pad_micro_batch(episodes: list[Episode], pad_token_id: int, device):
-    """Right-padded tokens [B, T] and a mask [B, T-1] marking positions that predict generated tokens."""
-    lengths = [len(e.prompt_token_ids) + e.num_generated_tokens for e in episodes]
-    tokens = torch.full((len(episodes), max(lengths)), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(episodes), max(lengths) - 1), dtype=torch.bool)
-    for row, episode in enumerate(episodes):
-        sequence = episode.prompt_token_ids + episode.generated_token_ids
-        tokens[row, : len(sequence)] = torch.tensor(sequence)
-        mask[row, len(episode.prompt_token_ids) - 1 : len(sequence) - 1] = True
-    return tokens.to(device), mask.to(device)
+    """Right-padded prompt + answer tokens [B, T] and a mask [B, T-1] of the positions predicting answer tokens."""
+    return pad_sequences([e.prompt_token_ids + e.generated_token_ids for e in episodes],
+                         [len(e.prompt_token_ids) for e in episodes], pad_token_id, device)
 
 
 def update_policy(
@@ -196,7 +203,7 @@ def update_policy(
     optimizer_step,
     episodes: list[Episode],
     advantages: list[float],
-    counts: tuple[int, int],
+    counts: "BatchCounts",
     config: LossConfig,
     optim: "OptimConfig",
     max_gen_len: int,
@@ -206,19 +213,22 @@ def update_policy(
 ) -> dict[str, float]:
     """`config.epochs_per_rollout` optimizer steps on these episodes; returns sums for `update_metrics`.
 
-    counts: (sequences, generated tokens) of the whole batch, which the loss is averaged over. Under
-    data parallel `episodes` are this rank's and the counts all ranks', so the ranks' losses add up.
+    counts: the whole batch's; the loss is averaged over its sequences or tokens. Under data parallel
+    `episodes` are this rank's and the counts all ranks', so the ranks' losses add up to one loss.
     optimizer_step (distributed.OptimizerStep): each micro-batch's forward and backward run inside
     `optimizer_step.micro_batch(last)` (`last`: an epoch's last micro-batch); `optimizer_step()`
     then applies the accumulated gradients and returns their norm.
     With config.kl_beta > 0, `reference_model` (the frozen initial policy) adds beta x k3 KL per token.
     """
-    if not counts[0]:
-        logger.warning("no episodes to train on this step (all were filtered out); skipping the update")
+    if not counts.with_advantage and not (config.kl_beta and counts.sequences):
+        # Every advantage is 0 (no group has any reward spread) and no KL term: the gradient would be exactly
+        # 0, so skip the forward and backward, and the optimizer step, which would still move AdamW's moments.
+        if not counts.sequences:
+            logger.warning("no episodes to train on this step (all were filtered out); skipping the update")
         return {}
     if config.kl_beta and reference_model is None:
         raise ValueError("loss.kl_beta > 0 needs the frozen reference model (reference_model=...)")
-    weights = episode_loss_weights(episodes, config, *counts, max_gen_len)
+    weights = episode_loss_weights(episodes, config, counts.sequences, counts.tokens, max_gen_len)
     start = time.perf_counter()
     device = next(model.parameters()).device
     batches = micro_batches(episodes, optim.micro_batch_size)

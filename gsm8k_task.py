@@ -18,7 +18,7 @@ import torch
 from sympy import Rational
 from tqdm import tqdm
 
-from countdown_task import format_reward
+from countdown_task import extract_answer_text, format_reward
 
 PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
 THINK_PREFILL = "<think>"
@@ -390,14 +390,6 @@ def _divide(numerator: Rational, denominator: Rational) -> Rational:
 
 # ----------------------------------------------------------------------------
 # reward
-
-
-def extract_answer_text(response: str) -> str | None:
-    """The text inside the response's only <answer>...</answer> pair, or None when there is no single pair."""
-    if response.count("<answer>") != 1 or response.count("</answer>") != 1:
-        return None
-    start, end = response.index("<answer>") + len("<answer>"), response.index("</answer>")
-    return response[start:end] if start <= end else None
 
 
 def format_reward_without_prefill(text: str) -> float:

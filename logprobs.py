@@ -52,3 +52,15 @@ def token_log_probs(model, tokens: torch.Tensor, chunk_size: int = 512) -> tuple
         raise ValueError(f"chunk_size={chunk_size} must be >= 1 (positions per vocabulary projection).")
     # The last position predicts nothing inside the sequence, so it is never run.
     return model(tokens[:, :-1], targets=tokens[:, 1:], logprob_chunk_size=chunk_size)
+
+
+def pad_sequences(sequences: list[list[int]], scored_from: list[int], pad_token_id: int, device):
+    """Right-padded tokens [B, T] and a mask [B, T-1] of the positions whose next token is scored:
+    those predicting sequence[scored_from:] (a response after its prompt), as token_log_probs aligns them."""
+    length = max(len(sequence) for sequence in sequences)
+    tokens = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), length - 1), dtype=torch.bool)
+    for row, (sequence, start) in enumerate(zip(sequences, scored_from)):
+        tokens[row, : len(sequence)] = torch.tensor(sequence)
+        mask[row, start - 1 : len(sequence) - 1] = True
+    return tokens.to(device), mask.to(device)

@@ -220,8 +220,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class KVCache:
     """Per-layer key/value buffers [batch, max_seq_len, kv_heads, head_dim].
 
-    Every row writes at its own positions, so prompts of different lengths share one batch;
-    `select` reorders or drops rows (sharing a prompt across a group, evicting finished rows).
+    Every row writes at its own positions, so prompts of different lengths share one batch.
     """
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
@@ -237,9 +236,6 @@ class KVCache:
     @property
     def max_seq_len(self) -> int:
         return self.keys[0].shape[1]
-
-    def select(self, rows: torch.Tensor) -> "KVCache":
-        return KVCache([k[rows] for k in self.keys], [v[rows] for v in self.values])
 
 
 class Attention(nn.Module):

@@ -3,6 +3,7 @@ seeding and data order."""
 
 import random
 from dataclasses import dataclass
+from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -12,6 +13,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 import config as config_lib
+import distributed
 from qwen2_model import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -25,6 +27,19 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"device: {name} was requested but no CUDA GPU is visible; use device: auto or cpu.")
     return device
+
+
+def set_up_process(device: str, cpu_threads: int | None, seed: int) -> torch.device:
+    """This rank's device; CPU threads set and every global random generator seeded."""
+    rank_device = distributed.rank_device(resolve_device(device))
+    set_cpu_threads(cpu_threads)
+    seed_everything(seed)
+    return rank_device
+
+
+def agreed_run_name(prefix: str = "") -> str:
+    """A name from the time, the same on every rank: rank 0's clock decides it."""
+    return distributed.all_gather(prefix + datetime.now().strftime("%Y%m%d-%H%M%S"))[0]
 
 
 def set_cpu_threads(cpu_threads: int | None) -> None:
@@ -84,6 +99,15 @@ def _readable(safetensors_file: Path) -> bool:
             return True
     except SafetensorError:
         return False
+
+
+def load_policy(setup: ModelSetup, model_dir, device: torch.device, fsdp: bool) -> tuple[Transformer, torch.nn.Module]:
+    """(model, policy): the model for generation, evaluation and saving, and the module the update runs
+    (DDP or FSDP2 under torchrun; see distributed.training_model)."""
+    # FSDP: load on the CPU, and each block moves to the device already sharded.
+    shard = fsdp and distributed.is_initialized()
+    model = load_model(setup, torch.device("cpu") if shard else device, model_dir)
+    return model, distributed.training_model(model, device, fsdp)
 
 
 @lru_cache(maxsize=4)

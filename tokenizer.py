@@ -66,9 +66,5 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def tokenize(self, text: str) -> tuple[list[int], list[str]]:
-        encoding = self.tokenizer.encode(text, add_special_tokens=False)
-        return encoding.ids, encoding.tokens
-
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

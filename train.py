@@ -9,7 +9,6 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -22,12 +21,12 @@ import tasks
 from bootstrap import BootstrapConfig
 from data_types import Episode, QuestionBatch
 from distributed import DistributedConfig
-from evaluate import EvalConfig, evaluate
-from grpo import (UPDATE_SUMS, LossConfig, apply_overlong_penalty, compute_advantages, overlong_penalty, rollout,
-                  sample_informative_groups, update_metrics, update_policy)
-from optimizer import MemoryEfficientAdamW
+from evaluate import EvalConfig, run_evaluation
+from grpo import (UPDATE_SUMS, BatchCounts, LossConfig, apply_overlong_penalty, batch_counts, compute_advantages,
+                  overlong_penalty, rollout, sample_informative_groups, update_metrics, update_policy)
+from optimizer import AdamWConfig, new_adamw
 from run_logging import LoggingConfig, RunLogger, show_progress
-from runtime import (ModelSetup, load_model, resolve_device, rng_state, seed_everything, set_cpu_threads, set_rng_state,
+from runtime import (ModelSetup, agreed_run_name, load_model, load_policy, rng_state, set_rng_state, set_up_process,
                      step_indices)
 from tokenizer import Tokenizer
 
@@ -55,26 +54,13 @@ class RolloutConfig:
 
 
 @dataclass
-class OptimConfig:
-    num_steps: int = 1000
-    learning_rate: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    micro_batch_size: int = 2
-    max_grad_norm: float = 1.0
+class OptimConfig(AdamWConfig):
     skip_unfinished_episodes: bool = False  # leave out of the loss episodes that hit max_gen_len
-    memory_efficient_adamw: bool = False  # keep AdamW's moments in CPU memory
-    logprob_chunk_size: int = 256  # sequence positions per lm_head chunk in the update
+    warn_after_zero_reward_steps: int = 5  # consecutive steps without any reward before a warning (0: never)
 
     def validate(self) -> None:
-        for name in ("num_steps", "micro_batch_size", "logprob_chunk_size"):
-            config_lib.at_least(self, name, 1)
-        config_lib.above(self, "learning_rate", 0)
-        config_lib.at_least(self, "weight_decay", 0)
-        config_lib.betas(self)
-        config_lib.above(self, "eps", 0)
-        config_lib.above(self, "max_grad_norm", 0)  # < 0 reverses the update, 0 zeroes it
+        super().validate()
+        config_lib.at_least(self, "warn_after_zero_reward_steps", 0)
 
 
 @dataclass
@@ -170,7 +156,7 @@ def make_batch(dataset, indices: list[int], max_prompt_len: int) -> QuestionBatc
         else:
             raise ValueError(f"no prompt in the training set fits rollout.max_prompt_len={max_prompt_len}; raise it.")
         items.append(item)
-    return QuestionBatch([i["prompt"] for i in items], [i["prompt_token_ids"] for i in items], items)
+    return QuestionBatch.of_items(items)
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -199,34 +185,21 @@ def format_episode(episode: Episode) -> str:
             f"--- prompt ---\n{episode.prompt}\n--- response ---\n{episode.text}")
 
 
-def run_evaluation(model, tokenizer, test_set, reward_for_item, config: TrainConfig, run_logger, step: int) -> dict:
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(config.seed)
-    metrics, samples = evaluate(model, tokenizer, test_set, reward_for_item,
-                                config.eval.max_gen_len or config.rollout.max_gen_len, config.eval, generator,
-                                progress=show_progress(config.progress) and distributed.is_main_process())
-    if run_logger:  # rank 0 only
-        run_logger.scalars({f"eval/{key}": value for key, value in metrics.items()}, step)
-        run_logger.text("eval/sample", f"{samples[0]['prompt']}{samples[0]['response']}", step)
-    logger.info("eval step %d: success %.3f format %.3f (%d questions)", step, metrics["success_rate"],
-                metrics["format_rate"], metrics["num_questions"])
-    return metrics
-
-
 def train(config: TrainConfig, resume: str | None = None, overwrite: bool = False) -> dict:
     """Run GRPO as configured; returns the last evaluation's metrics (empty if none ran)."""
-    device = set_up_process(config)
+    device = set_up_process(config.device, config.cpu_threads, config.seed)
     checkpoint_dir, run_claim = start_run(config, resume, overwrite)
     # A checkpoint holds the policy and a copy of the tokenizer, so it is a complete model directory.
     model_dir = checkpoint_dir or Path(config.model.dir)
     tokenizer = Tokenizer(model_dir)
     train_set, test_set = (tasks.load_dataset(config.task, tokenizer, split) for split in ("train", "test"))
     reward_for_item = tasks.reward_function(config.task)
-    model, policy = load_policy(config, model_dir, device)  # policy: what the update runs (DDP/FSDP or model)
+    model, policy = load_policy(config.model, model_dir, device, config.distributed.fsdp)
     config.validate_for_model(model.config.max_position_embeddings)
     reference_model = None
     if config.loss.kl_beta:  # the KL anchor: the initial policy (model.dir, also on resume), frozen, same dtype
         reference_model = load_model(config.model, device).requires_grad_(False).eval()
-    optimizer = new_optimizer(model, config.optim)
+    optimizer = new_adamw(model.parameters(), config.optim)
     optimizer_step = distributed.OptimizerStep(policy, optimizer, config.optim.max_grad_norm)
     generator = torch.Generator(device=device).manual_seed(config.seed + distributed.rank())
     start_step = restore_trainer_state(checkpoint_dir, model, optimizer, generator) if checkpoint_dir else 0
@@ -235,8 +208,11 @@ def train(config: TrainConfig, resume: str | None = None, overwrite: bool = Fals
     logger.info("run %s on %s: %d train / %d test questions, logs in %s", config.run_name, device, len(train_set),
                 len(test_set), Path(config.logging.log_dir) / config.run_name)
 
-    evaluation = functools.partial(run_evaluation, model, tokenizer, test_set, reward_for_item, config, run_logger)
-    eval_metrics = evaluation(0) if config.eval.interval and start_step == 0 else {}
+    evaluation = functools.partial(run_evaluation, model, tokenizer, test_set, reward_for_item,
+                                   config.eval.max_gen_len or config.rollout.max_gen_len, config.eval, config.seed,
+                                   run_logger, progress=progress)
+    eval_metrics = evaluation(step=0) if config.eval.interval and start_step == 0 else {}
+    zero_reward_steps = 0  # consecutive steps in which no episode earned any reward
     for step in range(start_step + 1, config.optim.num_steps + 1):
         def sample_round(round_index: int) -> list[Episode]:  # the rollout of one round of the step's questions
             batch = question_batch(train_set, step, config, round_index)
@@ -252,12 +228,15 @@ def train(config: TrainConfig, resume: str | None = None, overwrite: bool = Fals
         if config.optim.skip_unfinished_episodes:
             train_episodes = [e for e in train_episodes if e.is_finished]
         advantages = compute_advantages(train_episodes, config.loss, all_ranks_rewards(train_episodes, config.loss))
-        update = update_policy(policy, optimizer_step, train_episodes, advantages, global_counts(train_episodes),
-                               config.loss, config.optim, config.rollout.max_gen_len, tokenizer.pad_token_id, progress,
-                               reference_model)
-        log_step(run_logger, step, episodes, update, rollout_seconds, optimizer, config, sampling)
+        counts = global_counts(train_episodes, advantages)
+        update = update_policy(policy, optimizer_step, train_episodes, advantages, counts, config.loss, config.optim,
+                               config.rollout.max_gen_len, tokenizer.pad_token_id, progress, reference_model)
+        no_reward = log_step(run_logger, step, episodes, update, rollout_seconds, optimizer, config, sampling)
+        zero_reward_steps = zero_reward_steps + 1 if no_reward else 0
+        if no_reward and zero_reward_steps == config.optim.warn_after_zero_reward_steps:
+            warn_no_reward(config, zero_reward_steps)
         if config.eval.interval and step % config.eval.interval == 0:
-            eval_metrics = evaluation(step)
+            eval_metrics = evaluation(step=step)
         if (config.checkpoint.interval and step % config.checkpoint.interval == 0) or step == config.optim.num_steps:
             save_checkpoint(config, step, model, optimizer, generator, model_dir)
     if run_logger:
@@ -269,25 +248,13 @@ def train(config: TrainConfig, resume: str | None = None, overwrite: bool = Fals
 # ----------------------------------------------------------------------------- set-up
 
 
-def set_up_process(config: TrainConfig) -> torch.device:
-    """This rank's device; CPU threads and every random generator seeded from config.seed."""
-    device = distributed.rank_device(resolve_device(config.device))
-    set_cpu_threads(config.cpu_threads)
-    seed_everything(config.seed)
-    return device
-
-
-def timestamp() -> str:
-    return datetime.now().strftime("%Y%m%d-%H%M%S")
-
-
 def start_run(config: TrainConfig, resume: str | None, overwrite: bool) -> tuple[Path | None, checkpoint.RunClaim | None]:
     """Name the run, take its directories (rank 0) and create the demo's missing inputs; returns the
     checkpoint to resume from (or None) and the claim to release at the end."""
     if resume:  # the run goes on in the directory it was resumed from
         resumed_run = checkpoint.run_directory_of(resume)
         config.run_name, config.checkpoint.dir = resumed_run.name, str(resumed_run.parent)
-    config.run_name = config.run_name or timestamp()
+    config.run_name = config.run_name or agreed_run_name()
     base_model_dir = None if resume else config.model.dir  # resuming, the checkpoint is the model
     bootstrap.check_inputs(config.bootstrap, config.task, base_model_dir)  # before the run directory exists
     run_claim = None
@@ -297,20 +264,6 @@ def start_run(config: TrainConfig, resume: str | None, overwrite: bool) -> tuple
     if distributed.world_size() == 1:  # ranks would race to write the same files: bootstrap single-process
         bootstrap.prepare_missing_inputs(config.bootstrap, config.task, base_model_dir)
     return (checkpoint.find(resume) if resume else None), run_claim
-
-
-def load_policy(config: TrainConfig, model_dir: Path, device: torch.device):
-    """(model, policy): the model for generation and saving, and the module the update runs (see
-    distributed.training_model)."""
-    shard = config.distributed.fsdp and distributed.is_initialized()
-    # FSDP: load on the CPU, and each block moves to the device already sharded.
-    model = load_model(config.model, torch.device("cpu") if shard else device, model_dir)
-    return model, distributed.training_model(model, device, config.distributed.fsdp)
-
-
-def new_optimizer(model, optim: OptimConfig) -> MemoryEfficientAdamW:
-    return MemoryEfficientAdamW(model.parameters(), lr=optim.learning_rate, betas=optim.betas, eps=optim.eps,
-                                weight_decay=optim.weight_decay, enabled=optim.memory_efficient_adamw)
 
 
 def restore_trainer_state(checkpoint_dir: Path, model, optimizer, generator: torch.Generator) -> int:
@@ -379,24 +332,28 @@ def all_ranks_rewards(episodes: list[Episode], loss: LossConfig) -> list[float] 
     return [reward for rank_rewards in distributed.all_gather([e.reward for e in episodes]) for reward in rank_rewards]
 
 
-def global_counts(episodes: list[Episode]) -> tuple[int, int]:
-    """Episodes and generated tokens over all ranks: what the loss is averaged over."""
-    counts = distributed.global_sums({"sequences": len(episodes),
-                                      "tokens": sum(e.num_generated_tokens for e in episodes)})
-    return int(counts["sequences"]), int(counts["tokens"])
+def global_counts(episodes: list[Episode], advantages: list[float]) -> BatchCounts:
+    """batch_counts summed over all ranks: what the loss is averaged over, and whether there is signal."""
+    sums = distributed.global_sums(batch_counts(episodes, advantages)._asdict())
+    return BatchCounts(*(int(count) for count in sums.values()))
 
 
 def log_step(run_logger, step: int, episodes: list[Episode], update: dict, rollout_seconds: float, optimizer,
-             config: TrainConfig, sampling: dict[str, float]) -> None:
-    """All ranks' episodes and update sums into the console line and TensorBoard (rank 0 writes)."""
+             config: TrainConfig, sampling: dict[str, float]) -> bool:
+    """All ranks' episodes and update sums into the console line and TensorBoard (rank 0 writes).
+
+    Returns whether no episode of the step (on any rank) earned any reward.
+    """
     update = all_ranks_update_metrics(update)
     episodes = [episode for rank_episodes in distributed.all_gather(episodes) for episode in rank_episodes]
+    no_reward = not any(e.reward > 0 for e in episodes)
     if not run_logger:
-        return
+        return no_reward
     generated_tokens = sum(e.num_generated_tokens for e in episodes)
     metrics = {
         **episode_metrics(episodes, config.rollout.num_answers_per_question),
         **{f"train/{key}": value for key, value in update.items()},
+        "train/update_skipped": float(not update),
         "train/learning_rate": optimizer.param_groups[0]["lr"],
         "time/rollout_seconds": rollout_seconds,
         "time/generated_tokens_per_second": generated_tokens / rollout_seconds,
@@ -406,14 +363,38 @@ def log_step(run_logger, step: int, episodes: list[Episode], update: dict, rollo
         metrics["reward/overlong_penalty"] = sum(overlong_penalty(e.num_generated_tokens, config.rollout.max_gen_len,
                                                                   config.loss) for e in episodes) / len(episodes)
     run_logger.scalars(metrics, step)
-    logger.info("step %d | reward %.3f | success %.3f | format %.3f | loss %.4f | grad %.3f | entropy %.3f | "
-                "len %.0f | rollout %.1fs (%.0f tok/s) | update %.1fs", step, metrics["reward/mean"],
-                metrics["train/success_rate"], metrics["reward/format"], update.get("loss", 0.0),
-                update.get("grad_norm", 0.0), update.get("entropy", 0.0), metrics["response_length/mean"],
-                rollout_seconds, metrics["time/generated_tokens_per_second"], update.get("update_seconds", 0.0))
+    head = (f"step {step} | reward {metrics['reward/mean']:.3f} | success {metrics['train/success_rate']:.3f} | "
+            f"format {metrics['reward/format']:.3f} | flat groups {metrics['train/zero_spread_group_fraction']:.2f}")
+    rollout = (f"len {metrics['response_length/mean']:.0f} | rollout {rollout_seconds:.1f}s "
+               f"({metrics['time/generated_tokens_per_second']:.0f} tok/s)")
+    if update:
+        logger.info("%s | loss %.4f | grad %.3f | entropy %.3f | %s | update %.1fs", head, update["loss"],
+                    update["grad_norm"], update["entropy"], rollout, update["update_seconds"])
+    else:  # no episode has a nonzero advantage (or none is left): the gradient would be exactly 0
+        logger.info("%s | update skipped: no reward spread in any group | %s", head, rollout)
     if config.logging.sample_interval and step % config.logging.sample_interval == 0:
         for index, episode in enumerate(episodes[: config.logging.num_samples]):
             run_logger.text(f"episodes/{index}", format_episode(episode), step)
+    return no_reward
+
+
+# The SFT warm-up's config for each task (its data and prompts); see warn_no_reward.
+SFT_CONFIGS = {"countdown": "config_cpu_sft.yaml", "gsm8k": "configs/gsm8k_sft.yaml"}
+
+
+def warn_no_reward(config: TrainConfig, steps: int) -> None:
+    if not distributed.is_main_process():
+        return
+    logger.warning(
+        "no episode has earned any reward for %d steps in a row. The model (%s) does not yet write the answer "
+        "format the %s reward checks, so every group has zero reward spread, every advantage is 0 and GRPO has "
+        "nothing to learn from (these updates are skipped). A small or base model needs the SFT warm-up on the "
+        "task's reference solutions first:\n"
+        "    uv run train_sft.py --config %s --set model.dir=%s --set task.data_dir=%s --set output_dir=%s-sft\n"
+        "(a pretrained model wants a small rate, e.g. --set optim.learning_rate=1e-5), then train from it with "
+        "--set model.dir=%s-sft. optim.warn_after_zero_reward_steps sets when this warning appears (0: never).",
+        steps, config.model.dir, config.task.name, SFT_CONFIGS[config.task.name], config.model.dir,
+        config.task.data_dir, config.model.dir, config.model.dir)
 
 
 def all_ranks_update_metrics(update: dict) -> dict[str, float]:

@@ -15,7 +15,6 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -27,11 +26,11 @@ import distributed
 import tasks
 from bootstrap import BootstrapConfig, check_inputs
 from distributed import DistributedConfig
-from evaluate import EvalConfig, evaluate
-from logprobs import token_log_probs
-from optimizer import MemoryEfficientAdamW
+from evaluate import EvalConfig, run_evaluation
+from logprobs import pad_sequences, token_log_probs
+from optimizer import AdamWConfig, new_adamw
 from run_logging import LoggingConfig, RunLogger, show_progress
-from runtime import ModelSetup, load_model, resolve_device, seed_everything, set_cpu_threads, step_indices
+from runtime import ModelSetup, agreed_run_name, load_policy, set_up_process, step_indices
 from tokenizer import Tokenizer
 
 logger = logging.getLogger("train_sft")
@@ -52,30 +51,18 @@ class SFTDataConfig:
 
 
 @dataclass
-class SFTOptimConfig:
-    num_steps: int = 1000
+class SFTOptimConfig(AdamWConfig):
     batch_size: int = 32  # pairs per optimizer step
     micro_batch_size: int = 8
-    learning_rate: float = 1e-5
     min_learning_rate_ratio: float = 0.1  # cosine decay to learning_rate x this
     warmup_steps: int = 0
-    weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    max_grad_norm: float = 1.0
-    memory_efficient_adamw: bool = False
-    logprob_chunk_size: int = 256
 
     def validate(self) -> None:
-        for name in ("num_steps", "batch_size", "micro_batch_size", "logprob_chunk_size"):
-            config_lib.at_least(self, name, 1)
-        config_lib.above(self, "learning_rate", 0)
+        super().validate()
+        config_lib.at_least(self, "batch_size", 1)
         config_lib.within(self, "min_learning_rate_ratio", 0, 1)
         config_lib.at_least(self, "warmup_steps", 0)
-        config_lib.at_least(self, "weight_decay", 0)
-        config_lib.betas(self)
-        config_lib.above(self, "eps", 0)
-        config_lib.above(self, "max_grad_norm", 0)
 
 
 @dataclass
@@ -163,16 +150,11 @@ def load_examples(config: SFTConfig, tokenizer):
 
 def response_nll(model, examples, pad_token_id: int, chunk_size: int) -> tuple[torch.Tensor, int]:
     """Summed NLL of the response tokens of `examples`, and how many tokens that is."""
-    device = next(model.parameters()).device
-    length = max(len(ids) for ids, _ in examples)
-    tokens = torch.full((len(examples), length), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(examples), length - 1), dtype=torch.bool)
-    for row, (ids, prompt_length) in enumerate(examples):
-        tokens[row, : len(ids)] = torch.tensor(ids)
-        mask[row, prompt_length - 1 : len(ids) - 1] = True
-    tokens, mask = tokens.to(device), mask.to(device)
+    tokens, mask = pad_sequences([ids for ids, _ in examples], [prompt_length for _, prompt_length in examples],
+                                 pad_token_id, next(model.parameters()).device)
     log_probs, _ = token_log_probs(model, tokens, chunk_size)
-    return -(log_probs * mask).sum(), int(mask.sum())
+    # The count from the host's lists: reading mask.sum() would wait for the device.
+    return -(log_probs * mask).sum(), sum(len(ids) - prompt_length for ids, prompt_length in examples)
 
 
 @torch.no_grad()
@@ -180,14 +162,15 @@ def held_out_loss(model, examples, config: SFTConfig, pad_token_id: int) -> floa
     """Mean response-token NLL; each rank scores its share of the examples."""
     model.eval()
     examples = [examples[i] for i in distributed.shard_range(len(examples))]
-    totals = {"nll": 0.0, "tokens": 0}
+    # float64 on the device, read once: the same sum as Python floats, without a wait per micro-batch.
+    total_nll, num_tokens = torch.zeros((), dtype=torch.float64, device=next(model.parameters()).device), 0
     # Under FSDP, gathered once: the ranks' shares may take different numbers of forwards.
     with distributed.full_parameters(model):
         for start in range(0, len(examples), config.optim.micro_batch_size):
             nll, tokens = response_nll(model, examples[start : start + config.optim.micro_batch_size], pad_token_id,
                                        config.optim.logprob_chunk_size)
-            totals = {"nll": totals["nll"] + nll.item(), "tokens": totals["tokens"] + tokens}
-    totals = distributed.global_sums(totals)
+            total_nll, num_tokens = total_nll + nll.double(), num_tokens + tokens
+    totals = distributed.global_sums({"nll": total_nll.item(), "tokens": num_tokens})
     return totals["nll"] / totals["tokens"]
 
 
@@ -200,47 +183,40 @@ def learning_rate(step: int, config: SFTOptimConfig) -> float:
     return config.learning_rate * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def run_evaluation(model, tokenizer, eval_examples, config: SFTConfig, run_logger, step: int) -> dict:
+def evaluate_sft(model, tokenizer, eval_examples, config: SFTConfig, run_logger, step: int) -> dict:
+    """The held-out loss, then (unless eval.max_questions is 0) the task's own evaluation, as eval/* metrics."""
     metrics = {"eval/loss": held_out_loss(model, eval_examples, config, tokenizer.pad_token_id)}
-    if config.eval.max_questions != 0:
-        test_set = tasks.load_dataset(config.task, tokenizer, "test")
-        generator = torch.Generator(device=next(model.parameters()).device).manual_seed(config.seed)
-        task_metrics, _ = evaluate(model, tokenizer, test_set, tasks.reward_function(config.task),
-                                   config.eval.max_gen_len or config.data.max_seq_len, config.eval, generator,
-                                   progress=show_progress(config.progress) and distributed.is_main_process())
-        metrics.update({f"eval/{key}": value for key, value in task_metrics.items()})
     if run_logger:  # rank 0 only
         run_logger.scalars(metrics, step)
-    logger.info("eval step %d: %s", step, " ".join(f"{k.removeprefix('eval/')} {v:.4g}" for k, v in metrics.items()))
+    logger.info("eval step %d: held-out loss %.4g", step, metrics["eval/loss"])
+    if config.eval.max_questions != 0:
+        test_set = tasks.load_dataset(config.task, tokenizer, "test")
+        task_metrics = run_evaluation(model, tokenizer, test_set, tasks.reward_function(config.task),
+                                      config.eval.max_gen_len or config.data.max_seq_len, config.eval, config.seed,
+                                      run_logger, step, progress=show_progress(config.progress) and distributed.is_main_process())
+        metrics.update({f"eval/{key}": value for key, value in task_metrics.items()})
     return metrics
 
 
 def train_sft(config: SFTConfig) -> dict:
     """Fine-tune config.model.dir into config.output_dir; returns the final evaluation's metrics."""
-    device = distributed.rank_device(resolve_device(config.device))
-    set_cpu_threads(config.cpu_threads)
-    seed_everything(config.seed)
-    # Every rank needs the same name; rank 0's clock decides it.
-    config.run_name = config.run_name or distributed.all_gather("sft-" + datetime.now().strftime("%Y%m%d-%H%M%S"))[0]
+    device = set_up_process(config.device, config.cpu_threads, config.seed)
+    config.run_name = config.run_name or agreed_run_name("sft-")
     # One process per log directory, so two runs of one name never mix their curves.
     log_claim = checkpoint.RunClaim([Path(config.logging.log_dir) / config.run_name], "wait for it to end or pick "
                                     "another name (--set run_name=NAME)") if distributed.is_main_process() else None
-    shard = config.distributed.fsdp and distributed.is_initialized()
-    # FSDP: load on the CPU, and each block moves to the device already sharded.
-    model = load_model(config.model, torch.device("cpu") if shard else device)
-    policy = distributed.training_model(model, device, config.distributed.fsdp)  # what the update runs
+    model, policy = load_policy(config.model, config.model.dir, device, config.distributed.fsdp)
     tokenizer = Tokenizer(config.model.dir)
     train_examples, eval_examples = load_examples(config, tokenizer)
     optim = config.optim
-    optimizer = MemoryEfficientAdamW(model.parameters(), lr=optim.learning_rate, betas=optim.betas, eps=optim.eps,
-                                     weight_decay=optim.weight_decay, enabled=optim.memory_efficient_adamw)
+    optimizer = new_adamw(model.parameters(), optim)
     optimizer_step = distributed.OptimizerStep(policy, optimizer, optim.max_grad_norm)
     is_main = distributed.is_main_process()
     run_logger = RunLogger(config.logging, config.run_name, config_lib.to_dict(config)) if is_main else None
     logger.info("SFT %s on %s: %d train / %d held-out pairs, logs in %s", config.run_name, device,
                 len(train_examples), len(eval_examples), Path(config.logging.log_dir) / config.run_name)
 
-    metrics = run_evaluation(model, tokenizer, eval_examples, config, run_logger, 0) if config.eval.interval else {}
+    metrics = evaluate_sft(model, tokenizer, eval_examples, config, run_logger, 0) if config.eval.interval else {}
     show_bar = show_progress(config.progress) and is_main
     bar = tqdm(range(optim.num_steps), desc="sft", disable=not show_bar)
     for step in bar:
@@ -274,7 +250,7 @@ def train_sft(config: SFTConfig) -> dict:
             logger.info("sft step %d/%d | loss %.4f | grad %.3f | lr %.2e | %.0f tok/s", step + 1, optim.num_steps,
                         total_nll / num_tokens, grad_norm, optimizer.param_groups[0]["lr"], num_tokens / seconds)
         if config.eval.interval and ((step + 1) % config.eval.interval == 0 or step + 1 == optim.num_steps):
-            metrics = run_evaluation(model, tokenizer, eval_examples, config, run_logger, step + 1)
+            metrics = evaluate_sft(model, tokenizer, eval_examples, config, run_logger, step + 1)
     savable = distributed.savable_model(model)  # every rank takes part: FSDP gathers the shards
     if is_main:
         path = checkpoint.save(config.output_dir, savable, config.model.dir, config)

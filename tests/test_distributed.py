@@ -59,8 +59,9 @@ def sgd_update(model, episodes: list[Episode], aggregation: str, fsdp: bool = Fa
     policy = distributed.training_model(model, torch.device("cpu"), fsdp)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     loss_config = LossConfig(aggregation=aggregation)
+    advantages = compute_advantages(episodes, loss_config)
     update = update_policy(policy, distributed.OptimizerStep(policy, optimizer, MAX_GRAD_NORM[aggregation]), episodes,
-                           compute_advantages(episodes, loss_config), train.global_counts(episodes), loss_config,
+                           advantages, train.global_counts(episodes, advantages), loss_config,
                            train.OptimConfig(micro_batch_size=2, logprob_chunk_size=4), max_gen_len=16, pad_token_id=0)
     return train.all_ranks_update_metrics(update)
 
@@ -213,7 +214,7 @@ def test_two_rank_training_run_logs_once_and_writes_one_loadable_checkpoint(rank
     event_files = list((ranks_output / run / "logs").rglob("events.out.tfevents.*"))
     assert len(event_files) == 1, event_files
     events = EventAccumulator(str(event_files[0].parent), size_guidance={"scalars": 0}).Reload()
-    assert [event.step for event in events.Scalars("train/loss")] == [1, 2]
+    assert [event.step for event in events.Scalars("reward/mean")] == [1, 2]  # (a flat step logs no loss)
     assert [event.step for event in events.Scalars("eval/success_rate")] == [0, 2]
     assert events.Scalars("eval/num_questions")[-1].value == 5  # both ranks' shares (3 and 2), gathered
 

@@ -167,10 +167,10 @@ def test_eviction_compacts_rows_inside_the_same_buffers(model):
     for buffer in cache.keys + cache.values:
         buffer.copy_(torch.randn(buffer.shape))
     rows = torch.tensor([1, 3, 4])
-    expected = cache.select(rows)
+    expected = [buffer[rows].clone() for buffer in cache.keys + cache.values]
     pointers = [buffer.data_ptr() for buffer in cache.keys + cache.values]
     kept = keep_rows_in_place(cache, rows)
-    assert all(torch.equal(a, b) for a, b in zip(kept.keys + kept.values, expected.keys + expected.values))
+    assert all(torch.equal(a[: len(rows)], b) for a, b in zip(kept.keys + kept.values, expected))
     assert [buffer.data_ptr() for buffer in kept.keys + kept.values] == pointers
 
 

@@ -1,15 +1,17 @@
 """GRPO advantages and losses against values and gradients computed by hand in the test."""
 
+import ast
 import copy
 import logging
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from data_types import Episode
 from distributed import OptimizerStep
-from grpo import LossConfig, compute_advantages, surrogate_token_losses, update_metrics, update_policy
+from grpo import LossConfig, batch_counts, compute_advantages, surrogate_token_losses, update_metrics, update_policy
 from qwen2_model import Transformer
 from train import OptimConfig
 
@@ -106,9 +108,9 @@ def hand_loss(model, episodes, advantages, weight_of, old_log_probs=None, clip_r
 def sgd_update(model, episodes, config, micro_batch_size, max_gen_len=16):
     model = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-    counts = (len(episodes), sum(e.num_generated_tokens for e in episodes))
-    update = update_policy(model, OptimizerStep(model, optimizer, max_grad_norm=1e9), episodes,
-                           compute_advantages(episodes, config), counts, config,
+    advantages = compute_advantages(episodes, config)
+    update = update_policy(model, OptimizerStep(model, optimizer, max_grad_norm=1e9), episodes, advantages,
+                           batch_counts(episodes, advantages), config,
                            OptimConfig(micro_batch_size=micro_batch_size, logprob_chunk_size=4), max_gen_len, PAD)
     return model, update_metrics(update) if update else {}
 
@@ -168,11 +170,27 @@ def test_two_epochs_reuse_the_sampling_policy_log_probs(policy, clip):
     assert metrics["ratio_max"] > 1.0
 
 
-def test_all_equal_rewards_give_zero_gradient(policy):
+def test_all_equal_rewards_give_zero_gradient_so_the_update_is_skipped(policy, caplog):
     episodes = [make_episode(e.question_index, e.prompt_token_ids, e.generated_token_ids, 0.1) for e in sample_episodes()]
-    updated, metrics = sgd_update(policy, episodes, LossConfig(), micro_batch_size=2)
-    assert metrics["grad_norm"] == 0.0 and not math.isnan(metrics["loss"])
+    config = LossConfig()
+    assert compute_advantages(episodes, config) == [0.0] * len(episodes)  # exactly 0, so the gradient is 0
+    with torch.no_grad():  # the loss the update would backpropagate is identically 0
+        log_probs = per_token_log_probs(policy, episodes[0])
+        losses, _, _ = surrogate_token_losses(log_probs, log_probs, torch.zeros(()), config)
+    assert torch.all(losses == 0)
+    with caplog.at_level(logging.WARNING):
+        updated, metrics = sgd_update(policy, episodes, config, micro_batch_size=2)
+    assert metrics == {} and not caplog.text  # skipped without a forward, and not an "empty batch"
     assert_same_parameters(updated, policy, atol=0.0)
+
+
+def test_one_group_with_spread_is_enough_to_update(policy):
+    flat_second_group = lambda e: 0.1 if e.question_index else e.reward
+    episodes = [make_episode(e.question_index, e.prompt_token_ids, e.generated_token_ids, flat_second_group(e))
+                for e in sample_episodes()]
+    updated, metrics = sgd_update(policy, episodes, LossConfig(), micro_batch_size=2)
+    assert metrics["grad_norm"] > 0 and not math.isnan(metrics["loss"])
+    assert max((a - b).abs().max().item() for a, b in zip(updated.parameters(), policy.parameters())) > 0
 
 
 def test_empty_batch_skips_the_update_with_a_warning(policy, caplog):
@@ -180,3 +198,12 @@ def test_empty_batch_skips_the_update_with_a_warning(policy, caplog):
         updated, metrics = sgd_update(policy, [], LossConfig(), micro_batch_size=2)
     assert metrics == {} and "no episodes" in caplog.text
     assert_same_parameters(updated, policy, atol=0.0)
+
+
+@pytest.mark.parametrize("module", ["grpo.py", "logprobs.py"])
+def test_algorithm_code_imports_nothing_distributed(module):
+    """Ranks are the caller's business (train.py, distributed.py): the loss is computed from what it is given."""
+    tree = ast.parse((Path(__file__).resolve().parents[1] / module).read_text())
+    names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    names |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert names and not [name for name in names if "distributed" in name]

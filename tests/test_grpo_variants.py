@@ -15,7 +15,7 @@ import config as config_lib
 from config import ConfigError
 from data_types import Episode
 from distributed import OptimizerStep
-from grpo import (LossConfig, apply_overlong_penalty, compute_advantages, k3_kl, overlong_penalty,
+from grpo import (LossConfig, apply_overlong_penalty, batch_counts, compute_advantages, k3_kl, overlong_penalty,
                   sample_informative_groups, surrogate_token_losses, update_metrics, update_policy)
 from qwen2_model import Transformer
 from train import OptimConfig
@@ -222,9 +222,9 @@ def test_k3_averaged_over_the_policy_is_the_exact_kl():
 def sgd_update(model, episodes, config, reference_model=None):
     model = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    counts = (len(episodes), sum(e.num_generated_tokens for e in episodes))
+    advantages = compute_advantages(episodes, config)
     update = update_policy(model, OptimizerStep(model, optimizer, max_grad_norm=1e9), episodes,
-                           compute_advantages(episodes, config), counts, config,
+                           advantages, batch_counts(episodes, advantages), config,
                            OptimConfig(micro_batch_size=2, logprob_chunk_size=4), 16, 0, reference_model=reference_model)
     return model, update_metrics(update)
 

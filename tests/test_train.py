@@ -1,5 +1,7 @@
 """train.py end to end on the tiny fixture: logs, checkpoints, resume, and config errors."""
 
+import logging
+
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -15,7 +17,7 @@ EXPECTED_SCALARS = [
     "train/loss", "reward/mean", "reward/std", "reward/format", "train/success_rate", "eval/success_rate",
     "eval/format_rate", "train/grad_norm", "train/entropy", "train/learning_rate", "response_length/mean",
     "response_length/min", "response_length/max", "train/finished_episodes", "train/zero_spread_group_fraction",
-    "time/rollout_seconds", "train/update_seconds", "time/generated_tokens_per_second",
+    "time/rollout_seconds", "train/update_seconds", "time/generated_tokens_per_second", "train/update_skipped",
 ]
 
 
@@ -63,7 +65,10 @@ def test_short_run_logs_metrics_and_writes_loadable_checkpoints(tmp_path, tiny_m
     scalars = read_scalars(tmp_path / "logs" / "tiny")
     missing = [tag for tag in EXPECTED_SCALARS if tag not in scalars]
     assert not missing, missing
-    assert [step for step, _ in scalars["train/loss"]] == [1, 2, 3]
+    assert [step for step, _ in scalars["reward/mean"]] == [1, 2, 3]
+    # A step whose groups all have equal rewards skips its update, and logs no loss.
+    skipped = [step for step, value in scalars["train/update_skipped"] if value]
+    assert [step for step, _ in scalars["train/loss"]] == [step for step in (1, 2, 3) if step not in skipped]
     assert [step for step, _ in scalars["eval/success_rate"]] == [0, 2]
     events = EventAccumulator(str(tmp_path / "logs" / "tiny")).Reload()
     assert any(tag.startswith("episodes/") for tag in events.Tags()["tensors"])
@@ -95,6 +100,36 @@ def test_resume_equals_uninterrupted_run(tmp_path, tiny_model_dir, countdown_dir
     files = sorted((tmp_path / "cut" / "logs" / "tiny").glob("events.out.tfevents.*"), key=lambda f: f.stat().st_mtime)
     resumed_loss = {step: value for file in files for step, value in read_scalars(file).get("train/loss", [])}
     assert sorted(resumed_loss.items()) == full_loss
+
+
+def test_zero_reward_steps_skip_the_update_and_warn_with_the_sft_fix(tmp_path, tiny_model_dir, countdown_dir, caplog):
+    """The random tiny model never earns CountDown's reward: every group is flat, nothing to learn from."""
+    config = tiny_config(tmp_path, tiny_model_dir, countdown_dir, "optim.num_steps=3", "eval.interval=0",
+                         "optim.warn_after_zero_reward_steps=2")
+    with caplog.at_level(logging.INFO):
+        train.train(config)
+    step_lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert len(step_lines) == 3
+    assert all("flat groups 1.00 | update skipped: no reward spread" in line for line in step_lines)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "no episode has earned any reward for 2 steps" in warnings[0]
+    assert (f"uv run train_sft.py --config config_cpu_sft.yaml --set model.dir={tiny_model_dir} "
+            f"--set task.data_dir={countdown_dir}") in warnings[0]
+    scalars = read_scalars(tmp_path / "logs" / "tiny")
+    assert scalars["train/update_skipped"] == [(1, 1.0), (2, 1.0), (3, 1.0)]
+    assert "train/loss" not in scalars
+    after = Transformer.from_pretrained(tmp_path / "checkpoints" / "tiny" / "step_000003", dtype=torch.float32)
+    before = Transformer.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(after.parameters(), before.parameters()))
+
+
+def test_rewarded_steps_update_and_never_warn(tmp_path, tiny_model_dir, countdown_dir, digit_reward, caplog):
+    config = tiny_config(tmp_path, tiny_model_dir, countdown_dir, "optim.num_steps=2", "eval.interval=0",
+                         "optim.warn_after_zero_reward_steps=0")
+    with caplog.at_level(logging.INFO):
+        train.train(config)
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert read_scalars(tmp_path / "logs" / "tiny")["train/update_skipped"] == [(1, 0.0), (2, 0.0)]
 
 
 def test_all_unfinished_episodes_skip_the_update(tmp_path, tiny_model_dir, countdown_dir, caplog):
