@@ -109,6 +109,10 @@ def build_sft_model(config: train.TrainConfig, seed: int, stage_dir: Path) -> di
     return {**times, "cached": False}
 
 
+def max_gen_len(config: train.TrainConfig) -> int:
+    return config.eval.max_gen_len or config.rollout.max_gen_len
+
+
 def held_out_scores(model_dir: Path, config: train.TrainConfig, seed: int) -> dict:
     """Success and format rate on the whole held-out split, one answer per question, at T=1 and greedy."""
     device = resolve_device(config.device)
@@ -120,8 +124,8 @@ def held_out_scores(model_dir: Path, config: train.TrainConfig, seed: int) -> di
         eval_config = EvalConfig(max_questions=None, batch_size=config.eval.batch_size, num_samples=1,
                                  temperature=temperature, max_gen_len=config.eval.max_gen_len)
         generator = torch.Generator(device=device).manual_seed(seed)
-        metrics, _ = evaluate(model, tokenizer, test_set, tasks.reward_function(config.task),
-                              config.eval.max_gen_len or config.rollout.max_gen_len, eval_config, generator, progress=False)
+        metrics, _ = evaluate(model, tokenizer, test_set, tasks.reward_function(config.task), max_gen_len(config),
+                              eval_config, generator, progress=False)
         scores[f"success_{name}"] = round(metrics["success_rate"], 4)
         scores[f"format_{name}"] = round(metrics["format_rate"], 4)
         scores["questions"] = metrics["num_questions"]
@@ -138,12 +142,15 @@ def run_seed(args: argparse.Namespace, seed: int, cache_dir: Path, out: Path) ->
     print(f"== seed {seed}: dataset + SFT model in {stage_dir}, GRPO run in {run_dir}", flush=True)
     stages = build_sft_model(config, seed, stage_dir)
 
-    for assignment in (f"seed={seed}", f"task.data_dir={stage_dir / 'countdown'}", f"model.dir={stage_dir / 'sft-model'}",
-                       f"logging.log_dir={run_dir / 'logs'}", f"checkpoint.dir={run_dir / 'checkpoints'}", "progress=false"):
+    for assignment in (f"seed={seed}", f"task.data_dir={stage_dir / 'countdown'}",
+                       f"model.dir={stage_dir / 'sft-model'}", f"logging.log_dir={run_dir / 'logs'}",
+                       f"checkpoint.dir={run_dir / 'checkpoints'}", "progress=false"):
         config_lib.apply_override(values, assignment)
     config = config_lib.build(train.TrainConfig, values)
     set_cpu_threads(config.cpu_threads)
-    before_file = stage_dir / f"held_out_{config.task.test_size}q_maxgen{config.eval.max_gen_len or config.rollout.max_gen_len}.json"
+    # The SFT model's scores, kept with it: they depend only on it, the seed and these settings.
+    before_file = stage_dir / (f"held_out_{config.task.test_size}q_gen{max_gen_len(config)}"
+                               f"_batch{config.eval.batch_size}.json")
     if not before_file.is_file():
         before_file.write_text(json.dumps(held_out_scores(stage_dir / "sft-model", config, seed), indent=2) + "\n")
     before = json.loads(before_file.read_text())
@@ -153,7 +160,8 @@ def run_seed(args: argparse.Namespace, seed: int, cache_dir: Path, out: Path) ->
     final_checkpoint = run_dir / "checkpoints" / config.run_name / f"step_{config.optim.num_steps:06d}"
     after = timed(grpo, "final_eval", held_out_scores, final_checkpoint, config, seed)
     steps, curve = success_curve(str(run_dir / "logs" / config.run_name))
-    demo_seconds = sum(stages.get(f"{name}_seconds", 0.0) for name in ("dataset", "base_model", "sft")) + grpo["grpo_seconds"]
+    bootstrap_seconds = sum(stages.get(f"{name}_seconds", 0.0) for name in ("dataset", "base_model", "sft"))
+    demo_seconds = bootstrap_seconds + grpo["grpo_seconds"]
     return {
         "seed": seed, "held_out_questions": after["questions"], "sft_model": str(stage_dir / "sft-model"),
         "final_checkpoint": str(final_checkpoint), "before": before, "after": after,
@@ -199,7 +207,8 @@ def markdown_table(results: list[dict]) -> str:
     for result in results:
         failed = [name for name, ok in meets_bar(result).items() if not ok]
         cells = [form.format(read(result)) for _, read, form in COLUMNS]
-        lines.append(f"| {result['seed']} | " + " | ".join(cells) + f" | {'met' if not failed else 'missed: ' + ', '.join(failed)} |")
+        verdict = "met" if not failed else "missed: " + ", ".join(failed)
+        lines.append(f"| {result['seed']} | " + " | ".join(cells) + f" | {verdict} |")
     for name, reduce in (("mean", statistics.mean), ("min", min), ("max", max)):
         cells = [form.format(reduce([read(r) for r in results])) for _, read, form in COLUMNS]
         lines.append(f"| {name} | " + " | ".join(cells) + " | |")
