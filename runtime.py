@@ -5,7 +5,6 @@ import random
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import torch
