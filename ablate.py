@@ -22,8 +22,8 @@ from pathlib import Path
 
 import checkpoint
 import config as config_lib
-import train
 from bootstrap import prepare_missing_inputs
+from config import TrainConfig
 
 logger = logging.getLogger("ablate")
 
@@ -37,7 +37,7 @@ COLUMNS = ("experiment", "changes", "final_eval_success", "best_eval_success", "
 class Experiment:
     name: str
     changes: dict  # "section.key" -> value, as written in the experiment's file
-    config: train.TrainConfig
+    config: TrainConfig
 
 
 def flatten(values: dict, prefix: str = "") -> dict:
@@ -64,7 +64,7 @@ def load_experiments(directory, base_path, overrides: list[str], out_dir) -> lis
         suite_keys = {"run_name": path.stem, "logging": {"log_dir": str(Path(out_dir) / "logs")},
                       "checkpoint": {"dir": str(Path(out_dir) / "checkpoints")}}
         try:
-            config = config_lib.build(train.TrainConfig, config_lib.merge(config_lib.merge(base, changes), suite_keys))
+            config = config_lib.build(TrainConfig, config_lib.merge(config_lib.merge(base, changes), suite_keys))
         except config_lib.ConfigError as error:
             raise config_lib.ConfigError(f"{path}: {error}") from None
         experiments.append(Experiment(path.stem, flatten(changes), config))
@@ -104,6 +104,8 @@ def read_run_metrics(log_dir) -> dict:
 
 
 def run_experiment(experiment: Experiment) -> dict:
+    import train  # here, not at the top: torch loads only after --help, and once every experiment's config is valid
+
     config = experiment.config
     log_dir = Path(config.logging.log_dir) / experiment.name
     for stale in (log_dir, Path(config.checkpoint.dir) / experiment.name):  # from an interrupted or forced run

@@ -12,34 +12,16 @@ real model) stops the run with the command that fetches or generates it, before 
 
 import logging
 import shlex
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import config as config_lib
-from tasks import TaskConfig
+from config import BootstrapConfig, TaskConfig
 
 logger = logging.getLogger("bootstrap")
 
 
 class MissingInputError(config_lib.InputError, FileNotFoundError):
     label = "missing input"
-
-
-@dataclass
-class BootstrapConfig:
-    data_dir: str | None = None  # the one task.data_dir this bootstrap may create (CountDown only)
-    model_dir: str | None = None  # the one model.dir this bootstrap may create (by SFT)
-    dataset_args: str | None = None  # `countdown_task.py generate` arguments for a missing data_dir
-    base_model_args: str | None = None  # `tiny_model.py` arguments for a missing SFT base model
-    sft_config: str | None = None  # train_sft.py config that produces a missing model_dir
-    sft_overrides: list[str] = field(default_factory=list)  # `section.key=value` changes to sft_config
-
-    def validate(self) -> None:
-        config_lib.paths(self, "data_dir", "model_dir", "sft_config")
-        config_lib.check(not self.dataset_args or self.data_dir, "data_dir", "must name the directory that "
-                         "dataset_args generates", self.data_dir)
-        config_lib.check(not self.sft_config or self.model_dir, "model_dir", "must name the directory that "
-                         "sft_config trains", self.model_dir)
 
 
 def _same(path: str | None, other: str) -> bool:

@@ -1,4 +1,4 @@
-"""YAML configs validated into dataclasses, shared by train.py, train_sft.py, evaluate.py and ablate.py.
+"""Every config section as a dataclass with its allowed ranges, and the YAML loading that fills them.
 
 A config file is nested sections of plain keys. Unknown keys, wrong types, values outside a
 `Literal` and values outside a key's range (each section's `validate()`, built from the checks
@@ -6,7 +6,8 @@ below) stop the run before any work, with `config error: <key>: <what is allowed
 `--set section.key=value` overrides any key (the value is parsed as YAML); several config files
 merge in order, later files winning.
 
-This module imports nothing heavy, so an entry point can report a bad config quickly.
+This module imports nothing heavy (no torch), so an entry point reads and checks its command line
+before it loads torch: --help and a config error answer at once (see check_command_line).
 """
 
 import dataclasses
@@ -15,6 +16,8 @@ import re
 import sys
 import types
 import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -41,6 +44,20 @@ def exit_on_input_error(error: InputError) -> typing.NoReturn:
     """What every entry point does with an InputError: `<label>: <message>` on stderr, exit code 2."""
     print(f"{error.label}: {error}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def check_command_line(read_command_line: Callable[[list[str] | None], object]) -> None:
+    """Read and validate an entry point's command line (arguments, config files, --set), exiting on
+    --help, a usage error or an input error; else do nothing.
+
+    Entry points call it at the top of the file, before their heavy imports: torch alone takes seconds
+    to load, and --help or a config error should not wait for it. `read_command_line` imports nothing
+    heavy; main() calls it again (milliseconds) and goes on to the work.
+    """
+    try:
+        read_command_line(None)
+    except InputError as error:
+        exit_on_input_error(error)
 
 
 # ----------------------------------------------------------------------------- range checks for validate()
@@ -110,6 +127,337 @@ def common_run_keys(section) -> None:
     at_least(section, "seed", 0)
     device(section)
     at_least(section, "cpu_threads", 1)
+
+
+def world_size() -> int:
+    """The number of ranks torchrun started (its WORLD_SIZE variable; 1 in a plain run): what
+    distributed.world_size() reports once the process group is up, readable here before torch loads."""
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+# ----------------------------------------------------------------------------- the sections
+# Every key a config file can set, with its default, why it exists and its allowed range (validate()).
+# TrainConfig is train.py's whole config, SFTConfig train_sft.py's and EvaluateConfig evaluate.py's;
+# ablate.py runs TrainConfigs. The code that reads a section imports it from here.
+
+
+@dataclass
+class ModelSetup:
+    dir: str = "Qwen2.5-3B-Instruct"  # a Hugging Face model directory
+    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    gradient_checkpointing: bool = True
+
+    def validate(self) -> None:
+        paths(self, "dir")
+
+
+@dataclass
+class TaskConfig:
+    name: Literal["countdown", "gsm8k"] = "countdown"
+    data_dir: str = "Countdown-Tasks-3to4"
+    test_size: int = 128  # countdown: the last rows held out for evaluation
+    prompt_template: str = "reasoning"  # gsm8k: prompts/<name>.txt or a file path
+
+    def validate(self) -> None:
+        paths(self, "data_dir", "prompt_template")
+        at_least(self, "test_size", 1)  # an empty test split would make every evaluation 0/0
+
+
+@dataclass
+class RolloutConfig:
+    episodes_per_step: int = 256  # questions per step = episodes_per_step / num_answers_per_question
+    num_answers_per_question: int = 8
+    max_prompt_len: int = 256  # longer prompts are left out of the training set
+    max_gen_len: int = 1024
+    temperature: float = 1.0
+    top_p: float = 1.0
+    compile_decode: bool = False  # CUDA only: capture the decode step with torch.compile
+    dynamic_sampling: bool = False  # DAPO: replace groups whose rewards are all equal with new questions
+    dynamic_sampling_max_rounds: int = 3  # rollout rounds per step at most; then train on the groups found
+
+    def validate(self) -> None:
+        for name in ("episodes_per_step", "num_answers_per_question", "max_prompt_len", "max_gen_len",
+                     "dynamic_sampling_max_rounds"):
+            at_least(self, name, 1)
+        above(self, "temperature", 0)  # 0 would make every group's answers equal: no signal
+        within(self, "top_p", 0, 1, "(]")
+
+
+@dataclass
+class AdamWConfig:
+    """The optim keys train.py and train_sft.py share: steps, AdamW, clipping and micro-batch shape."""
+
+    num_steps: int = 1000
+    learning_rate: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    micro_batch_size: int = 2
+    max_grad_norm: float = 1.0
+    memory_efficient_adamw: bool = False  # keep AdamW's moments in CPU memory
+    logprob_chunk_size: int = 256  # sequence positions per lm_head chunk in the update
+
+    def validate(self) -> None:
+        for name in ("num_steps", "micro_batch_size", "logprob_chunk_size"):
+            at_least(self, name, 1)
+        above(self, "learning_rate", 0)
+        at_least(self, "weight_decay", 0)
+        betas(self)
+        above(self, "eps", 0)
+        above(self, "max_grad_norm", 0)  # < 0 reverses the update, 0 zeroes it
+
+
+@dataclass
+class OptimConfig(AdamWConfig):
+    skip_unfinished_episodes: bool = False  # leave out of the loss episodes that hit max_gen_len
+    warn_after_zero_reward_steps: int = 5  # consecutive steps without any reward before a warning (0: never)
+
+    def validate(self) -> None:
+        super().validate()
+        at_least(self, "warn_after_zero_reward_steps", 0)
+
+
+@dataclass
+class LossConfig:
+    baseline: Literal["group_mean", "none"] = "group_mean"  # "none": REINFORCE on raw rewards
+    std_normalization: bool = True  # divide by the group's reward std
+    std_estimator: Literal["population", "sample"] = "population"  # divide by G (GRPO:Zero) or G - 1 (torch.std)
+    advantage_eps: float = 1e-4  # added to the std so all-equal groups give 0, never NaN
+    aggregation: Literal["token", "sequence", "constant"] = "token"
+    aggregation_constant: int | None = None  # tokens per sequence for "constant"; null = max_gen_len
+    epochs_per_rollout: int = 1  # K optimizer steps on each rollout batch
+    clip: Literal["none", "ppo"] = "none"
+    clip_range: float = 0.2  # the ratio is clipped to [1 - clip_range, 1 + clip_range_high]
+    # The variants that followed DeepSeek-R1 (docs/variants.md); each default leaves the loss as above.
+    clip_range_high: float | None = None  # DAPO's clip-higher: a wider upper range; null = clip_range
+    importance_sampling: Literal["token", "sequence"] = "token"  # sequence: GSPO's per-sequence ratio
+    std_scope: Literal["group", "batch"] = "group"  # whose reward std divides the advantages
+    overlong_buffer_fraction: float = 0.0  # DAPO's soft overlong penalty ramps over this last part of max_gen_len
+    overlong_penalty_factor: float = 1.0  # the reward taken off an answer of max_gen_len tokens
+    kl_beta: float = 0.0  # weight of the k3 KL to the frozen initial policy; 0: no reference model
+
+    def validate(self) -> None:
+        above(self, "advantage_eps", 0)  # < 0 can flip advantage signs; 0 gives 0/0 in equal groups
+        at_least(self, "aggregation_constant", 1)
+        at_least(self, "epochs_per_rollout", 1)
+        within(self, "clip_range", 0, 1, "()")
+        within(self, "clip_range_high", 0, 10, "()")
+        check(self.clip_range_high is None or self.clip == "ppo", "clip_range_high",
+              "needs loss.clip: ppo (without clipping it does nothing)", self.clip_range_high)
+        within(self, "overlong_buffer_fraction", 0, 1, "[)")
+        above(self, "overlong_penalty_factor", 0)
+        at_least(self, "kl_beta", 0)  # 0: no KL term, no reference model
+
+
+@dataclass
+class EvalConfig:
+    interval: int = 10  # training steps between evaluations (0: never)
+    max_questions: int | None = None  # null: the whole held-out split
+    batch_size: int = 64  # questions generated at once
+    num_samples: int = 1  # answers per question; pass@k is reported when > 1
+    temperature: float = 0.0  # 0 is greedy decoding
+    top_p: float = 1.0
+    max_gen_len: int | None = None  # null: rollout.max_gen_len
+
+    def validate(self) -> None:
+        at_least(self, "interval", 0)
+        at_least(self, "max_questions", 0)  # 0: train_sft.py scores only the held-out loss
+        for name in ("batch_size", "num_samples", "max_gen_len"):
+            at_least(self, name, 1)
+        at_least(self, "temperature", 0)
+        within(self, "top_p", 0, 1, "(]")
+
+
+@dataclass
+class LoggingConfig:
+    log_dir: str = "logs"  # TensorBoard events go to <log_dir>/<run_name>
+    sample_interval: int = 10  # steps between sample episodes written as text
+    num_samples: int = 4
+    wandb: bool = False  # also log to Weights & Biases (uv sync --extra wandb)
+    wandb_project: str = "grpo-zero"
+
+    def validate(self) -> None:
+        paths(self, "log_dir")
+        at_least(self, "sample_interval", 0)
+        at_least(self, "num_samples", 0)
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "checkpoints"  # checkpoints go to <dir>/<run_name>/step_NNNNNN
+    interval: int = 100  # steps between checkpoints (0: only at the end)
+    keep_last: int | None = 3  # keep the newest K checkpoints of the run (and the newest resumable one); null: all
+    optimizer_state: bool = True  # false: steps before the last save weights only (~1/3 the disk), not resumable
+
+    def validate(self) -> None:
+        paths(self, "dir")
+        at_least(self, "interval", 0)
+        at_least(self, "keep_last", 1)
+
+
+@dataclass
+class BootstrapConfig:
+    """The CPU demo's missing inputs and the commands that make them (see bootstrap.py)."""
+
+    data_dir: str | None = None  # the one task.data_dir this bootstrap may create (CountDown only)
+    model_dir: str | None = None  # the one model.dir this bootstrap may create (by SFT)
+    dataset_args: str | None = None  # `countdown_task.py generate` arguments for a missing data_dir
+    base_model_args: str | None = None  # `tiny_model.py` arguments for a missing SFT base model
+    sft_config: str | None = None  # train_sft.py config that produces a missing model_dir
+    sft_overrides: list[str] = field(default_factory=list)  # `section.key=value` changes to sft_config
+
+    def validate(self) -> None:
+        paths(self, "data_dir", "model_dir", "sft_config")
+        check(not self.dataset_args or self.data_dir, "data_dir", "must name the directory that "
+              "dataset_args generates", self.data_dir)
+        check(not self.sft_config or self.model_dir, "model_dir", "must name the directory that "
+              "sft_config trains", self.model_dir)
+
+
+@dataclass
+class DistributedConfig:
+    # Under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP2) for models
+    # whose training state does not fit one device. Ignored in a single-process run.
+    fsdp: bool = False
+
+
+@dataclass
+class TrainConfig:
+    run_name: str | None = None  # null: a timestamp
+    seed: int = 1337
+    device: str = "auto"  # auto, cpu, cuda, cuda:N
+    cpu_threads: int | None = None  # torch CPU threads; null: torch's default (all cores)
+    progress: bool = True  # tqdm bars
+    model: ModelSetup = field(default_factory=ModelSetup)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def validate(self) -> None:
+        common_run_keys(self)
+        check(self.eval.max_questions != 0, "eval.max_questions", "must be >= 1 or null (all); "
+              "eval.interval: 0 turns evaluation off", self.eval.max_questions)
+        rollout = self.rollout
+        if rollout.episodes_per_step % rollout.num_answers_per_question:
+            raise ConfigError(
+                f"rollout.episodes_per_step ({rollout.episodes_per_step}) must be divisible by "
+                f"rollout.num_answers_per_question ({rollout.num_answers_per_question})"
+            )
+        if rollout.num_answers_per_question < 2 and self.loss.baseline == "group_mean":
+            raise ConfigError("rollout.num_answers_per_question must be >= 2 for a group-mean baseline")
+        questions = rollout.episodes_per_step // rollout.num_answers_per_question
+        if questions % world_size():
+            raise ConfigError(f"the {questions} questions per step must split evenly over {world_size()} ranks")
+        if self.distributed.fsdp and self.optim.memory_efficient_adamw:
+            raise ConfigError("distributed.fsdp already shards AdamW's state over the GPUs; "
+                              "set optim.memory_efficient_adamw: false")
+        if self.distributed.fsdp and self.optim.skip_unfinished_episodes:
+            # FSDP gathers parameters in every forward and backward, a collective all ranks must join,
+            # but filtering leaves ranks with different numbers of micro-batches.
+            raise ConfigError("distributed.fsdp needs the same number of episodes on every rank; "
+                              "set optim.skip_unfinished_episodes: false")
+        if self.distributed.fsdp and rollout.dynamic_sampling:  # rounds and kept groups differ between ranks
+            raise ConfigError("distributed.fsdp needs the same rollouts on every rank; "
+                              "set rollout.dynamic_sampling: false")
+        if self.distributed.fsdp and self.loss.kl_beta:
+            raise ConfigError("loss.kl_beta > 0 (a reference model) is not supported with distributed.fsdp "
+                              "yet; set loss.kl_beta: 0")
+
+    def validate_for_model(self, max_position_embeddings: int) -> None:
+        """What only the loaded model can tell: prompt plus answer must fit its positions."""
+        for key, gen_len in (("rollout.max_gen_len", self.rollout.max_gen_len), ("eval.max_gen_len", self.eval.max_gen_len)):
+            total = self.rollout.max_prompt_len + (gen_len or 0)  # eval.max_gen_len null: the rollout's, checked
+            check(total <= max_position_embeddings, f"rollout.max_prompt_len + {key}",
+                  f"must be <= the model's max_position_embeddings ({max_position_embeddings})", total)
+
+    @property
+    def questions_per_step(self) -> int:
+        return self.rollout.episodes_per_step // self.rollout.num_answers_per_question
+
+
+@dataclass
+class SFTDataConfig:
+    train_jsonl: str | None = None  # {"prompt", "response"} lines; null: the task's training split
+    eval_jsonl: str | None = None  # held-out pairs for the loss; null: the last eval_size training pairs
+    eval_size: int = 200
+    max_seq_len: int = 1024  # longer pairs are left out
+
+    def validate(self) -> None:
+        paths(self, "train_jsonl", "eval_jsonl")
+        at_least(self, "eval_size", 1)
+        at_least(self, "max_seq_len", 2)
+
+
+@dataclass
+class SFTOptimConfig(AdamWConfig):
+    batch_size: int = 32  # pairs per optimizer step
+    micro_batch_size: int = 8
+    min_learning_rate_ratio: float = 0.1  # cosine decay to learning_rate x this
+    warmup_steps: int = 0
+    betas: tuple[float, float] = (0.9, 0.95)
+
+    def validate(self) -> None:
+        super().validate()
+        at_least(self, "batch_size", 1)
+        within(self, "min_learning_rate_ratio", 0, 1)
+        at_least(self, "warmup_steps", 0)
+
+
+@dataclass
+class SFTConfig:
+    output_dir: str = "sft_model"  # the fine-tuned model, in the Hugging Face layout
+    run_name: str | None = None
+    seed: int = 1337
+    device: str = "auto"
+    cpu_threads: int | None = None  # torch CPU threads; null: torch's default (all cores)
+    progress: bool = True
+    model: ModelSetup = field(default_factory=ModelSetup)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    optim: SFTOptimConfig = field(default_factory=SFTOptimConfig)
+    eval: EvalConfig = field(default_factory=lambda: EvalConfig(interval=100, max_questions=200, max_gen_len=256))
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def validate(self) -> None:
+        common_run_keys(self)
+        paths(self, "output_dir")
+        if self.optim.batch_size % self.optim.micro_batch_size:
+            raise ConfigError(
+                f"optim.batch_size ({self.optim.batch_size}) must be divisible by optim.micro_batch_size "
+                f"({self.optim.micro_batch_size})"
+            )
+        if self.optim.batch_size % world_size():
+            raise ConfigError(f"optim.batch_size ({self.optim.batch_size}) must split evenly over {world_size()} ranks")
+        if self.distributed.fsdp and self.optim.memory_efficient_adamw:
+            raise ConfigError("distributed.fsdp already shards AdamW's state over the GPUs; "
+                              "set optim.memory_efficient_adamw: false")
+
+
+@dataclass
+class EvaluateConfig:
+    """What evaluate.py reads: a --config file may hold only these keys (anything else would be ignored)."""
+
+    seed: int = 0
+    device: str = "auto"
+    cpu_threads: int | None = None  # torch CPU threads; null: torch's default (all cores)
+    progress: bool = True
+    model: ModelSetup = field(default_factory=lambda: ModelSetup(dtype="float32", gradient_checkpointing=False))
+    task: TaskConfig = field(default_factory=TaskConfig)
+    eval: EvalConfig = field(default_factory=lambda: EvalConfig(max_gen_len=1024))
+
+    def validate(self) -> None:
+        check(self.eval.max_gen_len is not None, "eval.max_gen_len", "must be set for evaluate.py",
+              self.eval.max_gen_len)
+        at_least(self, "seed", 0)
+        device(self)
+        at_least(self, "cpu_threads", 1)
 
 
 def _describe(kind) -> str:

@@ -10,7 +10,6 @@ Every helper here is a no-op in a plain single-process run, which never creates 
 
 import os
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -21,13 +20,6 @@ from qwen2_model import Transformer
 
 # FSDP's modules (torch.distributed.fsdp, .checkpoint, .tensor) take seconds to import, so they are
 # imported inside the functions that run only under a process group: a plain run never pays for them.
-
-
-@dataclass
-class DistributedConfig:
-    # Under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP2) for models
-    # whose training state does not fit one device. Ignored in a single-process run.
-    fsdp: bool = False
 
 
 def init_from_env() -> None:

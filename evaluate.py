@@ -13,42 +13,87 @@ ranks and the samples gathered.
 import argparse
 import json
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
+
+import config as config_lib
+from config import BootstrapConfig, EvalConfig, EvaluateConfig, RolloutConfig
+
+logger = logging.getLogger("evaluate")
+
+# ----------------------------------------------------------------------------- command line
+# Read and validated before the imports below load torch (seconds): --help and a config error answer at once.
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="a Hugging Face model directory or a training checkpoint")
+    parser.add_argument("--data", help="the task's data directory (task.data_dir; default: the checkpoint's)")
+    parser.add_argument("--task", choices=["countdown", "gsm8k"], help="task.name (default: the checkpoint's, else countdown)")
+    parser.add_argument("--config", action="append", help="YAML with seed/device/cpu_threads/model/task/eval keys; "
+                        "repeat to merge several (default: the checkpoint's config.yaml, if any)")
+    parser.add_argument("--split", default="test", choices=["train", "test"])
+    parser.add_argument("--samples", type=int, help="answers per question (pass@k for k > 1)")
+    parser.add_argument("--temperature", type=float)
+    parser.add_argument("--max-questions", type=int)
+    parser.add_argument("--threads", type=int, help="torch CPU threads (cpu_threads)")
+    parser.add_argument("--out", help="JSONL of every sample (default: <model>/eval_<split>.jsonl)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    args = parser.parse_args(argv)
+    args.model = config_lib.expand_path(args.model)  # like every path key: ~ and $VARIABLES
+    return args
+
+
+def from_training_config(values: dict) -> dict:
+    """The evaluation keys of a checkpoint's training config.yaml; its rollout length is the default."""
+    picked = {key: values[key] for key in ("seed", "device", "cpu_threads", "progress", "model", "task", "eval")
+              if key in values}
+    picked["model"] = {key: value for key, value in picked.get("model", {}).items() if key != "dir"}
+    if picked.get("eval", {}).get("max_gen_len") is None and "rollout" in values:
+        picked["eval"] = {**picked.get("eval", {}), "max_gen_len": values["rollout"].get("max_gen_len", 1024)}
+    return picked
+
+
+def load_config(args: argparse.Namespace) -> EvaluateConfig:
+    """Defaults, then the checkpoint's own training config (if any), then --config files, --set and flags."""
+    model_dir = Path(args.model)
+    values = from_training_config(config_lib.read_yaml(model_dir / "config.yaml")) if (
+        model_dir / "config.yaml").is_file() else {}
+    for path in args.config or []:
+        values = config_lib.merge(values, config_lib.read_yaml(path))
+    flags = {"task.name": args.task, "task.data_dir": args.data, "eval.num_samples": args.samples,
+             "eval.temperature": args.temperature, "eval.max_questions": args.max_questions, "cpu_threads": args.threads}
+    for assignment in args.set + [f"{key}={value}" for key, value in flags.items() if value is not None]:
+        config_lib.apply_override(values, assignment)
+    if "dir" in values.get("model", {}):
+        raise config_lib.ConfigError("model.dir: evaluate.py takes the model from --model; remove model.dir")
+    config_lib.apply_override(values, f"model.dir={model_dir}")
+    if not values.get("task", {}).get("data_dir"):
+        raise config_lib.ConfigError("task.data_dir: evaluate.py needs the data: pass --data DIR (or a --config with "
+                                     "task.data_dir)")
+    return config_lib.build(EvaluateConfig, values)
+
+
+def read_command_line(argv: list[str] | None = None) -> tuple[argparse.Namespace, EvaluateConfig]:
+    args = parse_args(argv)
+    return args, load_config(args)
+
+
+if __name__ == "__main__":
+    config_lib.check_command_line(read_command_line)
 
 import torch
 from tqdm import tqdm
 
-import config as config_lib
 import distributed
 import tasks
-from bootstrap import BootstrapConfig, check_inputs
+from bootstrap import check_inputs
 from data_types import QuestionBatch
 from grpo import rollout
 from run_logging import show_progress
-from runtime import ModelSetup, load_model, resolve_device, set_cpu_threads
+from runtime import load_model, resolve_device, set_cpu_threads
 from tokenizer import Tokenizer
 
-logger = logging.getLogger("evaluate")
-
-
-@dataclass
-class EvalConfig:
-    interval: int = 10  # training steps between evaluations (0: never)
-    max_questions: int | None = None  # null: the whole held-out split
-    batch_size: int = 64  # questions generated at once
-    num_samples: int = 1  # answers per question; pass@k is reported when > 1
-    temperature: float = 0.0  # 0 is greedy decoding
-    top_p: float = 1.0
-    max_gen_len: int | None = None  # null: rollout.max_gen_len
-
-    def validate(self) -> None:
-        config_lib.at_least(self, "interval", 0)
-        config_lib.at_least(self, "max_questions", 0)  # 0: train_sft.py scores only the held-out loss
-        for name in ("batch_size", "num_samples", "max_gen_len"):
-            config_lib.at_least(self, name, 1)
-        config_lib.at_least(self, "temperature", 0)
-        config_lib.within(self, "top_p", 0, 1, "(]")
+# ----------------------------------------------------------------------------- evaluation
 
 
 @torch.no_grad()
@@ -67,8 +112,6 @@ def evaluate(
     Each batch of questions is a GRPO rollout (sampled and scored the same way) with the eval settings.
     Data-parallel: each rank answers its share of the questions; every rank returns all samples.
     """
-    from train import RolloutConfig  # here, not at the top: train.py imports this module
-
     sampling = RolloutConfig(num_answers_per_question=config.num_samples, max_gen_len=max_gen_len,
                              temperature=config.temperature, top_p=config.top_p)
     model.eval()
@@ -127,74 +170,10 @@ def summarize(samples: list[dict], num_samples: int) -> dict[str, float]:
     return metrics
 
 
-@dataclass
-class EvaluateConfig:
-    """What evaluate.py reads: a --config file may hold only these keys (anything else would be ignored)."""
-
-    seed: int = 0
-    device: str = "auto"
-    cpu_threads: int | None = None  # torch CPU threads; null: torch's default (all cores)
-    progress: bool = True
-    model: ModelSetup = field(default_factory=lambda: ModelSetup(dtype="float32", gradient_checkpointing=False))
-    task: tasks.TaskConfig = field(default_factory=tasks.TaskConfig)
-    eval: EvalConfig = field(default_factory=lambda: EvalConfig(max_gen_len=1024))
-
-    def validate(self) -> None:
-        config_lib.check(self.eval.max_gen_len is not None, "eval.max_gen_len", "must be set for evaluate.py",
-                         self.eval.max_gen_len)
-        config_lib.at_least(self, "seed", 0)
-        config_lib.device(self)
-        config_lib.at_least(self, "cpu_threads", 1)
-
-
-def from_training_config(values: dict) -> dict:
-    """The evaluation keys of a checkpoint's training config.yaml; its rollout length is the default."""
-    picked = {key: values[key] for key in ("seed", "device", "cpu_threads", "progress", "model", "task", "eval")
-              if key in values}
-    picked["model"] = {key: value for key, value in picked.get("model", {}).items() if key != "dir"}
-    if picked.get("eval", {}).get("max_gen_len") is None and "rollout" in values:
-        picked["eval"] = {**picked.get("eval", {}), "max_gen_len": values["rollout"].get("max_gen_len", 1024)}
-    return picked
-
-
-def load_config(args: argparse.Namespace, model_dir: Path) -> EvaluateConfig:
-    """Defaults, then the checkpoint's own training config (if any), then --config files, --set and flags."""
-    values = from_training_config(config_lib.read_yaml(model_dir / "config.yaml")) if (
-        model_dir / "config.yaml").is_file() else {}
-    for path in args.config or []:
-        values = config_lib.merge(values, config_lib.read_yaml(path))
-    flags = {"task.name": args.task, "task.data_dir": args.data, "eval.num_samples": args.samples,
-             "eval.temperature": args.temperature, "eval.max_questions": args.max_questions, "cpu_threads": args.threads}
-    for assignment in args.set + [f"{key}={value}" for key, value in flags.items() if value is not None]:
-        config_lib.apply_override(values, assignment)
-    if "dir" in values.get("model", {}):
-        raise config_lib.ConfigError("model.dir: evaluate.py takes the model from --model; remove model.dir")
-    config_lib.apply_override(values, f"model.dir={model_dir}")
-    if not values.get("task", {}).get("data_dir"):
-        raise config_lib.ConfigError("task.data_dir: evaluate.py needs the data: pass --data DIR (or a --config with "
-                                     "task.data_dir)")
-    return config_lib.build(EvaluateConfig, values)
-
-
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="a Hugging Face model directory or a training checkpoint")
-    parser.add_argument("--data", help="the task's data directory (task.data_dir; default: the checkpoint's)")
-    parser.add_argument("--task", choices=["countdown", "gsm8k"], help="task.name (default: the checkpoint's, else countdown)")
-    parser.add_argument("--config", action="append", help="YAML with seed/device/cpu_threads/model/task/eval keys; "
-                        "repeat to merge several (default: the checkpoint's config.yaml, if any)")
-    parser.add_argument("--split", default="test", choices=["train", "test"])
-    parser.add_argument("--samples", type=int, help="answers per question (pass@k for k > 1)")
-    parser.add_argument("--temperature", type=float)
-    parser.add_argument("--max-questions", type=int)
-    parser.add_argument("--threads", type=int, help="torch CPU threads (cpu_threads)")
-    parser.add_argument("--out", help="JSONL of every sample (default: <model>/eval_<split>.jsonl)")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    args = parser.parse_args(argv)
-    model_dir = Path(config_lib.expand_path(args.model))
     try:
-        config = load_config(args, model_dir)
-        run(config, args.split, Path(config_lib.expand_path(args.out or model_dir / f"eval_{args.split}.jsonl")))
+        args, config = read_command_line(argv)
+        run(config, args.split, Path(config_lib.expand_path(args.out or Path(args.model) / f"eval_{args.split}.jsonl")))
     except config_lib.InputError as error:
         config_lib.exit_on_input_error(error)
 

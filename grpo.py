@@ -11,54 +11,18 @@ import dataclasses
 import logging
 import time
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal, NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from tqdm import tqdm
 
-import config as config_lib
+from config import LossConfig, OptimConfig, RolloutConfig
 from data_types import Episode, QuestionBatch
 from generation import generate
 from logprobs import pad_sequences, token_log_probs
 
-if TYPE_CHECKING:  # the config sections live with the entry point that reads them
-    from train import OptimConfig, RolloutConfig
-
 logger = logging.getLogger(__name__)
 RewardForItem = Callable[[str, dict, str | None], dict]
-
-
-@dataclass
-class LossConfig:
-    baseline: Literal["group_mean", "none"] = "group_mean"  # "none": REINFORCE on raw rewards
-    std_normalization: bool = True  # divide by the group's reward std
-    std_estimator: Literal["population", "sample"] = "population"  # divide by G (GRPO:Zero) or G - 1 (torch.std)
-    advantage_eps: float = 1e-4  # added to the std so all-equal groups give 0, never NaN
-    aggregation: Literal["token", "sequence", "constant"] = "token"
-    aggregation_constant: int | None = None  # tokens per sequence for "constant"; null = max_gen_len
-    epochs_per_rollout: int = 1  # K optimizer steps on each rollout batch
-    clip: Literal["none", "ppo"] = "none"
-    clip_range: float = 0.2  # the ratio is clipped to [1 - clip_range, 1 + clip_range_high]
-    # The variants that followed DeepSeek-R1 (docs/variants.md); each default leaves the loss as above.
-    clip_range_high: float | None = None  # DAPO's clip-higher: a wider upper range; null = clip_range
-    importance_sampling: Literal["token", "sequence"] = "token"  # sequence: GSPO's per-sequence ratio
-    std_scope: Literal["group", "batch"] = "group"  # whose reward std divides the advantages
-    overlong_buffer_fraction: float = 0.0  # DAPO's soft overlong penalty ramps over this last part of max_gen_len
-    overlong_penalty_factor: float = 1.0  # the reward taken off an answer of max_gen_len tokens
-    kl_beta: float = 0.0  # weight of the k3 KL to the frozen initial policy; 0: no reference model
-
-    def validate(self) -> None:
-        config_lib.above(self, "advantage_eps", 0)  # < 0 can flip advantage signs; 0 gives 0/0 in equal groups
-        config_lib.at_least(self, "aggregation_constant", 1)
-        config_lib.at_least(self, "epochs_per_rollout", 1)
-        config_lib.within(self, "clip_range", 0, 1, "()")
-        config_lib.within(self, "clip_range_high", 0, 10, "()")
-        config_lib.check(self.clip_range_high is None or self.clip == "ppo", "clip_range_high",
-                         "needs loss.clip: ppo (without clipping it does nothing)", self.clip_range_high)
-        config_lib.within(self, "overlong_buffer_fraction", 0, 1, "[)")
-        config_lib.above(self, "overlong_penalty_factor", 0)
-        config_lib.at_least(self, "kl_beta", 0)  # 0: no KL term, no reference model
 
 
 def rollout(
@@ -66,7 +30,7 @@ def rollout(
     tokenizer,
     batch: QuestionBatch,
     reward_for_item: RewardForItem,
-    config: "RolloutConfig",
+    config: RolloutConfig,
     generator: torch.Generator | None = None,
     progress: bool = False,
 ) -> list[Episode]:
@@ -205,7 +169,7 @@ def update_policy(
     advantages: list[float],
     counts: "BatchCounts",
     config: LossConfig,
-    optim: "OptimConfig",
+    optim: OptimConfig,
     max_gen_len: int,
     pad_token_id: int,
     progress: bool = False,

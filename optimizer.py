@@ -7,7 +7,6 @@ Moving the moments to host RAM trades that GPU memory for PCIe traffic each step
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
@@ -15,7 +14,7 @@ import torch
 from torch.optim.adamw import adamw
 from torch.optim.optimizer import ParamsT
 
-import config as config_lib
+from config import AdamWConfig
 
 
 class MemoryEfficientAdamW(torch.optim.Optimizer):
@@ -144,30 +143,6 @@ def _adamw(
         eps=group["eps"],
         maximize=False,
     )
-
-
-@dataclass
-class AdamWConfig:
-    """The optim keys train.py and train_sft.py share: steps, AdamW, clipping and micro-batch shape."""
-
-    num_steps: int = 1000
-    learning_rate: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    micro_batch_size: int = 2
-    max_grad_norm: float = 1.0
-    memory_efficient_adamw: bool = False  # keep AdamW's moments in CPU memory
-    logprob_chunk_size: int = 256  # sequence positions per lm_head chunk in the update
-
-    def validate(self) -> None:
-        for name in ("num_steps", "micro_batch_size", "logprob_chunk_size"):
-            config_lib.at_least(self, name, 1)
-        config_lib.above(self, "learning_rate", 0)
-        config_lib.at_least(self, "weight_decay", 0)
-        config_lib.betas(self)
-        config_lib.above(self, "eps", 0)
-        config_lib.above(self, "max_grad_norm", 0)  # < 0 reverses the update, 0 zeroes it
 
 
 def new_adamw(params: ParamsT, config: AdamWConfig) -> MemoryEfficientAdamW:

@@ -3,10 +3,9 @@
 import html
 import logging
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
-import config as config_lib
+from config import LoggingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -15,20 +14,6 @@ def show_progress(requested: bool) -> bool:
     """Progress bars only on a terminal: redirected to a file they are mostly redraws; the log lines stay."""
     return requested and sys.stderr.isatty()
 WANDB_STEP = "step"  # the x-axis of every W&B chart
-
-
-@dataclass
-class LoggingConfig:
-    log_dir: str = "logs"  # TensorBoard events go to <log_dir>/<run_name>
-    sample_interval: int = 10  # steps between sample episodes written as text
-    num_samples: int = 4
-    wandb: bool = False  # also log to Weights & Biases (uv sync --extra wandb)
-    wandb_project: str = "grpo-zero"
-
-    def validate(self) -> None:
-        config_lib.paths(self, "log_dir")
-        config_lib.at_least(self, "sample_interval", 0)
-        config_lib.at_least(self, "num_samples", 0)
 
 
 class RunLogger:

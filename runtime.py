@@ -2,11 +2,9 @@
 seeding and data order."""
 
 import random
-from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import torch
@@ -14,6 +12,7 @@ from safetensors import SafetensorError, safe_open
 
 import config as config_lib
 import distributed
+from config import ModelSetup
 from qwen2_model import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -68,16 +67,6 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-@dataclass
-class ModelSetup:
-    dir: str = "Qwen2.5-3B-Instruct"  # a Hugging Face model directory
-    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
-    gradient_checkpointing: bool = True
-
-    def validate(self) -> None:
-        config_lib.paths(self, "dir")
 
 
 def load_model(setup: ModelSetup, device: torch.device, model_dir=None) -> Transformer:

@@ -4,26 +4,12 @@ A task gives a dataset whose items carry `prompt` and `prompt_token_ids`, and a 
 `reward_for_item(response, item, end_token) -> {"reward", "reward_info": {"format_reward", "answer_reward"}}`.
 """
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 
 import config as config_lib
 import countdown_task
 import gsm8k_task
-
-
-@dataclass
-class TaskConfig:
-    name: Literal["countdown", "gsm8k"] = "countdown"
-    data_dir: str = "Countdown-Tasks-3to4"
-    test_size: int = 128  # countdown: the last rows held out for evaluation
-    prompt_template: str = "reasoning"  # gsm8k: prompts/<name>.txt or a file path
-
-    def validate(self) -> None:
-        config_lib.paths(self, "data_dir", "prompt_template")
-        config_lib.at_least(self, "test_size", 1)  # an empty test split would make every evaluation 0/0
+from config import TaskConfig
 
 
 def load_dataset(config: TaskConfig, tokenizer, split: str) -> torch.utils.data.Dataset:

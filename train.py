@@ -8,134 +8,57 @@ import argparse
 import functools
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
+
+import checkpoint
+import config as config_lib
+from config import LossConfig, TrainConfig
+
+# ----------------------------------------------------------------------------- command line
+# Read and validated before the imports below load torch (seconds): --help and a config error answer at once.
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", action="append", help="YAML config; repeat to merge several in order, later files "
+                        "winning (default: the resumed checkpoint's config.yaml, else config.yaml)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
+    parser.add_argument("--resume", help="a checkpoint directory, or a run's checkpoint directory (latest step); "
+                        "the run goes on writing into that run's directory")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start over in a run directory that holds an earlier run's checkpoints and logs (deletes them)")
+    args = parser.parse_args(argv)
+    args.resume = args.resume and config_lib.expand_path(args.resume)  # like every path key: ~ and $VARIABLES
+    return args
+
+
+def read_command_line(argv: list[str] | None = None) -> tuple[argparse.Namespace, TrainConfig]:
+    args = parse_args(argv)
+    if args.resume and args.overwrite:
+        raise config_lib.ConfigError("--overwrite starts a run over, --resume continues one: pass only one")
+    config_paths = args.config or [checkpoint.find(args.resume) / "config.yaml" if args.resume else "config.yaml"]
+    return args, config_lib.load(TrainConfig, config_paths, args.set)
+
+
+if __name__ == "__main__":
+    config_lib.check_command_line(read_command_line)
 
 import torch
 
 import bootstrap
-import checkpoint
-import config as config_lib
 import distributed
 import tasks
-from bootstrap import BootstrapConfig
 from data_types import Episode, QuestionBatch
-from distributed import DistributedConfig
-from evaluate import EvalConfig, run_evaluation
-from grpo import (UPDATE_SUMS, BatchCounts, LossConfig, apply_overlong_penalty, batch_counts, compute_advantages,
+from evaluate import run_evaluation
+from grpo import (UPDATE_SUMS, BatchCounts, apply_overlong_penalty, batch_counts, compute_advantages,
                   overlong_penalty, rollout, sample_informative_groups, update_metrics, update_policy)
-from optimizer import AdamWConfig, new_adamw
-from run_logging import LoggingConfig, RunLogger, show_progress
-from runtime import (ModelSetup, agreed_run_name, load_model, load_policy, rng_state, set_rng_state, set_up_process,
+from optimizer import new_adamw
+from run_logging import RunLogger, show_progress
+from runtime import (agreed_run_name, load_model, load_policy, rng_state, set_rng_state, set_up_process,
                      step_indices)
 from tokenizer import Tokenizer
 
 logger = logging.getLogger("train")
-
-
-@dataclass
-class RolloutConfig:
-    episodes_per_step: int = 256  # questions per step = episodes_per_step / num_answers_per_question
-    num_answers_per_question: int = 8
-    max_prompt_len: int = 256  # longer prompts are left out of the training set
-    max_gen_len: int = 1024
-    temperature: float = 1.0
-    top_p: float = 1.0
-    compile_decode: bool = False  # CUDA only: capture the decode step with torch.compile
-    dynamic_sampling: bool = False  # DAPO: replace groups whose rewards are all equal with new questions
-    dynamic_sampling_max_rounds: int = 3  # rollout rounds per step at most; then train on the groups found
-
-    def validate(self) -> None:
-        for name in ("episodes_per_step", "num_answers_per_question", "max_prompt_len", "max_gen_len",
-                     "dynamic_sampling_max_rounds"):
-            config_lib.at_least(self, name, 1)
-        config_lib.above(self, "temperature", 0)  # 0 would make every group's answers equal: no signal
-        config_lib.within(self, "top_p", 0, 1, "(]")
-
-
-@dataclass
-class OptimConfig(AdamWConfig):
-    skip_unfinished_episodes: bool = False  # leave out of the loss episodes that hit max_gen_len
-    warn_after_zero_reward_steps: int = 5  # consecutive steps without any reward before a warning (0: never)
-
-    def validate(self) -> None:
-        super().validate()
-        config_lib.at_least(self, "warn_after_zero_reward_steps", 0)
-
-
-@dataclass
-class CheckpointConfig:
-    dir: str = "checkpoints"  # checkpoints go to <dir>/<run_name>/step_NNNNNN
-    interval: int = 100  # steps between checkpoints (0: only at the end)
-    keep_last: int | None = 3  # keep the newest K checkpoints of the run (and the newest resumable one); null: all
-    optimizer_state: bool = True  # false: steps before the last save weights only (~1/3 the disk), not resumable
-
-    def validate(self) -> None:
-        config_lib.paths(self, "dir")
-        config_lib.at_least(self, "interval", 0)
-        config_lib.at_least(self, "keep_last", 1)
-
-
-@dataclass
-class TrainConfig:
-    run_name: str | None = None  # null: a timestamp
-    seed: int = 1337
-    device: str = "auto"  # auto, cpu, cuda, cuda:N
-    cpu_threads: int | None = None  # torch CPU threads; null: torch's default (all cores)
-    progress: bool = True  # tqdm bars
-    model: ModelSetup = field(default_factory=ModelSetup)
-    task: tasks.TaskConfig = field(default_factory=tasks.TaskConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
-    distributed: DistributedConfig = field(default_factory=DistributedConfig)
-
-    def validate(self) -> None:
-        config_lib.common_run_keys(self)
-        config_lib.check(self.eval.max_questions != 0, "eval.max_questions", "must be >= 1 or null (all); "
-                         "eval.interval: 0 turns evaluation off", self.eval.max_questions)
-        rollout = self.rollout
-        if rollout.episodes_per_step % rollout.num_answers_per_question:
-            raise config_lib.ConfigError(
-                f"rollout.episodes_per_step ({rollout.episodes_per_step}) must be divisible by "
-                f"rollout.num_answers_per_question ({rollout.num_answers_per_question})"
-            )
-        if rollout.num_answers_per_question < 2 and self.loss.baseline == "group_mean":
-            raise config_lib.ConfigError("rollout.num_answers_per_question must be >= 2 for a group-mean baseline")
-        questions = rollout.episodes_per_step // rollout.num_answers_per_question
-        if questions % distributed.world_size():
-            raise config_lib.ConfigError(
-                f"the {questions} questions per step must split evenly over {distributed.world_size()} ranks"
-            )
-        if self.distributed.fsdp and self.optim.memory_efficient_adamw:
-            raise config_lib.ConfigError("distributed.fsdp already shards AdamW's state over the GPUs; "
-                                         "set optim.memory_efficient_adamw: false")
-        if self.distributed.fsdp and self.optim.skip_unfinished_episodes:
-            # FSDP gathers parameters in every forward and backward, a collective all ranks must join,
-            # but filtering leaves ranks with different numbers of micro-batches.
-            raise config_lib.ConfigError("distributed.fsdp needs the same number of episodes on every rank; "
-                                         "set optim.skip_unfinished_episodes: false")
-        if self.distributed.fsdp and rollout.dynamic_sampling:  # rounds and kept groups differ between ranks
-            raise config_lib.ConfigError("distributed.fsdp needs the same rollouts on every rank; "
-                                         "set rollout.dynamic_sampling: false")
-        if self.distributed.fsdp and self.loss.kl_beta:
-            raise config_lib.ConfigError("loss.kl_beta > 0 (a reference model) is not supported with distributed.fsdp "
-                                         "yet; set loss.kl_beta: 0")
-
-    def validate_for_model(self, max_position_embeddings: int) -> None:
-        """What only the loaded model can tell: prompt plus answer must fit its positions."""
-        for key, gen_len in (("rollout.max_gen_len", self.rollout.max_gen_len), ("eval.max_gen_len", self.eval.max_gen_len)):
-            total = self.rollout.max_prompt_len + (gen_len or 0)  # eval.max_gen_len null: the rollout's, checked
-            config_lib.check(total <= max_position_embeddings, f"rollout.max_prompt_len + {key}",
-                             f"must be <= the model's max_position_embeddings ({max_position_embeddings})", total)
-
-    @property
-    def questions_per_step(self) -> int:
-        return self.rollout.episodes_per_step // self.rollout.num_answers_per_question
 
 
 # ----------------------------------------------------------------------------- data order
@@ -422,29 +345,11 @@ def save_checkpoint(config: TrainConfig, step: int, model, optimizer, generator:
     distributed.barrier()  # no rank goes on (and may read it) before the checkpoint is complete
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", action="append", help="YAML config; repeat to merge several in order, later files "
-                        "winning (default: the resumed checkpoint's config.yaml, else config.yaml)")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
-    parser.add_argument("--resume", help="a checkpoint directory, or a run's checkpoint directory (latest step); "
-                        "the run goes on writing into that run's directory")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="start over in a run directory that holds an earlier run's checkpoints and logs (deletes them)")
-    args = parser.parse_args(argv)
-    args.resume = args.resume and config_lib.expand_path(args.resume)  # like every path key: ~ and $VARIABLES
-    return args
-
-
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO if distributed.is_main_process() else logging.WARNING,
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    args = parse_args(argv)
     try:
-        if args.resume and args.overwrite:
-            raise config_lib.ConfigError("--overwrite starts a run over, --resume continues one: pass only one")
-        config_paths = args.config or [checkpoint.find(args.resume) / "config.yaml" if args.resume else "config.yaml"]
-        config = config_lib.load(TrainConfig, config_paths, args.set)
+        args, config = read_command_line(argv)
         train(config, resume=args.resume, overwrite=args.overwrite)
     except config_lib.InputError as error:  # config, data, run directory or checkpoint: one line, exit code 2
         config_lib.exit_on_input_error(error)

@@ -14,88 +14,44 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
+
+import config as config_lib
+from config import BootstrapConfig, SFTConfig, SFTOptimConfig
+
+# ----------------------------------------------------------------------------- command line
+# Read and validated before the imports below load torch (seconds): --help and a config error answer at once.
+
+
+def read_command_line(argv: list[str] | None = None) -> tuple[argparse.Namespace, SFTConfig]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", action="append", required=True, help="YAML config; repeat to merge several in order")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
+    args = parser.parse_args(argv)
+    return args, config_lib.load(SFTConfig, args.config, args.set)
+
+
+if __name__ == "__main__":
+    config_lib.check_command_line(read_command_line)
 
 import torch
 from tqdm import tqdm
 
 import checkpoint
-import config as config_lib
 import distributed
 import tasks
-from bootstrap import BootstrapConfig, check_inputs
-from distributed import DistributedConfig
-from evaluate import EvalConfig, run_evaluation
+from bootstrap import check_inputs
+from evaluate import run_evaluation
 from logprobs import pad_sequences, token_log_probs
-from optimizer import AdamWConfig, new_adamw
-from run_logging import LoggingConfig, RunLogger, show_progress
-from runtime import ModelSetup, agreed_run_name, load_policy, set_up_process, step_indices
+from optimizer import new_adamw
+from run_logging import RunLogger, show_progress
+from runtime import agreed_run_name, load_policy, set_up_process, step_indices
 from tokenizer import Tokenizer
 
 logger = logging.getLogger("train_sft")
 LOG_INTERVAL = 20  # steps between log lines when there is no progress bar
 
-
-@dataclass
-class SFTDataConfig:
-    train_jsonl: str | None = None  # {"prompt", "response"} lines; null: the task's training split
-    eval_jsonl: str | None = None  # held-out pairs for the loss; null: the last eval_size training pairs
-    eval_size: int = 200
-    max_seq_len: int = 1024  # longer pairs are left out
-
-    def validate(self) -> None:
-        config_lib.paths(self, "train_jsonl", "eval_jsonl")
-        config_lib.at_least(self, "eval_size", 1)
-        config_lib.at_least(self, "max_seq_len", 2)
-
-
-@dataclass
-class SFTOptimConfig(AdamWConfig):
-    batch_size: int = 32  # pairs per optimizer step
-    micro_batch_size: int = 8
-    min_learning_rate_ratio: float = 0.1  # cosine decay to learning_rate x this
-    warmup_steps: int = 0
-    betas: tuple[float, float] = (0.9, 0.95)
-
-    def validate(self) -> None:
-        super().validate()
-        config_lib.at_least(self, "batch_size", 1)
-        config_lib.within(self, "min_learning_rate_ratio", 0, 1)
-        config_lib.at_least(self, "warmup_steps", 0)
-
-
-@dataclass
-class SFTConfig:
-    output_dir: str = "sft_model"  # the fine-tuned model, in the Hugging Face layout
-    run_name: str | None = None
-    seed: int = 1337
-    device: str = "auto"
-    cpu_threads: int | None = None  # torch CPU threads; null: torch's default (all cores)
-    progress: bool = True
-    model: ModelSetup = field(default_factory=ModelSetup)
-    task: tasks.TaskConfig = field(default_factory=tasks.TaskConfig)
-    data: SFTDataConfig = field(default_factory=SFTDataConfig)
-    optim: SFTOptimConfig = field(default_factory=SFTOptimConfig)
-    eval: EvalConfig = field(default_factory=lambda: EvalConfig(interval=100, max_questions=200, max_gen_len=256))
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    distributed: DistributedConfig = field(default_factory=DistributedConfig)
-
-    def validate(self) -> None:
-        config_lib.common_run_keys(self)
-        config_lib.paths(self, "output_dir")
-        if self.optim.batch_size % self.optim.micro_batch_size:
-            raise config_lib.ConfigError(
-                f"optim.batch_size ({self.optim.batch_size}) must be divisible by optim.micro_batch_size "
-                f"({self.optim.micro_batch_size})"
-            )
-        if self.optim.batch_size % distributed.world_size():
-            raise config_lib.ConfigError(
-                f"optim.batch_size ({self.optim.batch_size}) must split evenly over {distributed.world_size()} ranks"
-            )
-        if self.distributed.fsdp and self.optim.memory_efficient_adamw:
-            raise config_lib.ConfigError("distributed.fsdp already shards AdamW's state over the GPUs; "
-                                         "set optim.memory_efficient_adamw: false")
+# ----------------------------------------------------------------------------- data and loss
 
 
 def read_pairs(path) -> list[dict]:
@@ -264,12 +220,8 @@ def train_sft(config: SFTConfig) -> dict:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO if distributed.is_main_process() else logging.WARNING,
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", action="append", required=True, help="YAML config; repeat to merge several in order")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
-    args = parser.parse_args(argv)
     try:
-        config = config_lib.load(SFTConfig, args.config, args.set)
+        _, config = read_command_line(argv)
         check_inputs(BootstrapConfig(), None if config.data.train_jsonl else config.task, config.model.dir)
         train_sft(config)
     except config_lib.InputError as error:  # config or data: one line, exit code 2

@@ -16,6 +16,7 @@ import countdown_task
 import tasks
 import train
 import train_sft
+from config import ModelSetup, SFTDataConfig
 from qwen2_model import Transformer
 from tiny_model import build_tiny_model
 from tokenizer import Tokenizer
@@ -87,9 +88,9 @@ def test_countdown_sft_then_grpo(tmp_path, model_dir, countdown_dir, monkeypatch
     held_out = scalars(logs / "sft")["eval/loss"]
     assert held_out[10] < held_out[0] - 0.5
     assert_loads_in_transformers_with_our_logits(sft_dir)
-    config = train_sft.SFTConfig(model=train_sft.ModelSetup(dir=str(sft_dir)),
+    config = train_sft.SFTConfig(model=ModelSetup(dir=str(sft_dir)),
                                  task=tasks.TaskConfig(data_dir=str(countdown_dir), test_size=8),
-                                 data=train_sft.SFTDataConfig(eval_size=16))
+                                 data=SFTDataConfig(eval_size=16))
     train_examples, _ = train_sft.load_examples(config, Tokenizer(sft_dir))
     item = tasks.load_dataset(config.task, Tokenizer(sft_dir), "train")[len(train_examples) - 1]
     messages = [{"role": "system", "content": countdown_task.SYSTEM_MESSAGE},
@@ -138,7 +139,7 @@ def test_gsm8k_sft_on_each_architecture(tmp_path, model_dir, gsm8k_head):
     assert_loads_in_transformers_with_our_logits(tmp_path / "sft-model")
     # GSM8K prompts are plain text (prompts/reasoning.txt), so any tokenizer takes them; the response ends with eos.
     config = train_sft.SFTConfig(task=tasks.TaskConfig(name="gsm8k", data_dir=str(gsm8k_data_dir)),
-                                 data=train_sft.SFTDataConfig(max_seq_len=4096, eval_size=8))
+                                 data=SFTDataConfig(max_seq_len=4096, eval_size=8))
     train_examples, _ = train_sft.load_examples(config, Tokenizer(model_dir))
     ids, prompt_length = train_examples[0]
     question = json.loads((gsm8k_data_dir / "train.jsonl").open().readline())["question"]

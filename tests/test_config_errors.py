@@ -171,3 +171,69 @@ def test_real_entry_point_exits_2_with_one_line(script, arguments, message, tmp_
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert (result.returncode, result.stderr, result.stdout) == (2, message, "")
     assert list(tmp_path.iterdir()) == []
+
+
+# Python with the heavy packages made unimportable (None in sys.modules): code that imported any of
+# them would die with an ImportError instead of doing its job.
+WITHOUT_HEAVY_PACKAGES = """
+import runpy, sys
+for name in ("torch", "numpy", "transformers", "tokenizers", "safetensors", "tensorboard", "pyarrow", "sympy"):
+    sys.modules[name] = None
+sys.path.insert(0, ".")
+"""
+RUN_SCRIPT = "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+
+
+def run_without_heavy_packages(code: str, *arguments: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", WITHOUT_HEAVY_PACKAGES + code, *arguments], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_config_module_imports_nothing_heavy():
+    result = run_without_heavy_packages("import config; print(config.load(config.TrainConfig, 'config.yaml').rollout)")
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout.startswith("RolloutConfig(episodes_per_step=")
+
+
+@pytest.mark.parametrize("script, arguments, output", [
+    ("train.py", ["--help"], "usage: train.py"),
+    ("train_sft.py", ["--help"], "usage: train_sft.py"),
+    ("evaluate.py", ["--help"], "usage: evaluate.py"),
+    ("ablate.py", ["--help"], "usage: ablate.py"),
+    ("train.py", ["--set", "optim.learning_rate=-1"], "config error: optim.learning_rate: must be > 0, got -1.0\n"),
+    ("train.py", ["--config", "config_cpu.yaml", "--set", "loss.clip_range=2"],
+     "config error: loss.clip_range: must be in (0, 1), got 2.0\n"),
+    ("train.py", ["--resume", "no/such/run"], "checkpoint error: --resume no/such/run: no checkpoint"),
+    ("train_sft.py", ["--config", "config_cpu_sft.yaml", "--set", "optim.batch_size=0"],
+     "config error: optim.batch_size: must be >= 1, got 0\n"),
+    ("evaluate.py", ["--model", "m", "--data", "d", "--set", "eval.top_p=0"],
+     "config error: eval.top_p: must be in (0, 1], got 0.0\n"),
+])
+def test_help_and_config_errors_come_before_torch_loads(script, arguments, output):
+    result = run_without_heavy_packages(RUN_SCRIPT, script, *arguments)
+    if arguments == ["--help"]:
+        assert (result.returncode, result.stderr) == (0, "") and result.stdout.startswith(output)
+    else:
+        assert (result.returncode, result.stdout) == (2, "") and result.stderr.startswith(output), result.stderr
+
+
+def test_ablate_config_error_comes_before_torch_loads(tmp_path):
+    (tmp_path / "experiments").mkdir()
+    (tmp_path / "experiments" / "neg.yaml").write_text("optim:\n  max_grad_norm: -1\n")
+    result = run_without_heavy_packages(RUN_SCRIPT, "ablate.py", str(tmp_path / "experiments"), "--base",
+                                        "config_cpu.yaml", "--out", str(tmp_path / "out"))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (f"config error: {tmp_path / 'experiments' / 'neg.yaml'}: optim.max_grad_norm: "
+                             "must be > 0, got -1.0\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_rank_count_comes_from_torchrun_environment(monkeypatch):
+    """Validation runs before the process group exists, so it reads WORLD_SIZE, as torchrun sets it."""
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(config_lib.ConfigError, match="the 32 questions per step must split evenly over 3 ranks"):
+        config_lib.load(train.TrainConfig, None, ["rollout.episodes_per_step=256"])
+    with pytest.raises(config_lib.ConfigError, match=r"optim.batch_size \(32\) must split evenly over 3 ranks"):
+        config_lib.load(train_sft.SFTConfig, None)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert config_lib.load(train.TrainConfig, None).questions_per_step == 32

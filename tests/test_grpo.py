@@ -13,7 +13,7 @@ from data_types import Episode
 from distributed import OptimizerStep
 from grpo import LossConfig, batch_counts, compute_advantages, surrogate_token_losses, update_metrics, update_policy
 from qwen2_model import Transformer
-from train import OptimConfig
+from config import OptimConfig
 
 PAD = 0
 LEARNING_RATE = 0.1

@@ -18,7 +18,7 @@ from distributed import OptimizerStep
 from grpo import (LossConfig, apply_overlong_penalty, batch_counts, compute_advantages, k3_kl, overlong_penalty,
                   sample_informative_groups, surrogate_token_losses, update_metrics, update_policy)
 from qwen2_model import Transformer
-from train import OptimConfig
+from config import OptimConfig
 from test_grpo import (TOKEN, assert_same_parameters, expected_sgd_update, per_token_log_probs, policy,  # noqa: F401
                        sample_episodes)
 from test_train import countdown_dir, digit_reward, read_scalars, tiny_config  # noqa: F401 (fixtures)

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import distributed  # noqa: E402
 import tasks  # noqa: E402
 import train  # noqa: E402
+from config import OptimConfig  # noqa: E402
 from grpo import LossConfig, compute_advantages, update_policy  # noqa: E402
 from qwen2_model import Transformer  # noqa: E402
 from test_distributed import countdown_dir, digit_reward, group_episodes, grpo_config  # noqa: E402, F401
@@ -46,7 +47,7 @@ def sgd_update(model_dir: str, episodes) -> tuple[Transformer, dict]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     advantages = compute_advantages(episodes, LOSS, train.all_ranks_rewards(episodes, LOSS))
     update = update_policy(policy, distributed.OptimizerStep(policy, optimizer, 1e9), episodes, advantages,
-                           train.global_counts(episodes, advantages), LOSS, train.OptimConfig(micro_batch_size=2, logprob_chunk_size=4),
+                           train.global_counts(episodes, advantages), LOSS, OptimConfig(micro_batch_size=2, logprob_chunk_size=4),
                            max_gen_len=16, pad_token_id=0, reference_model=perturbed_copy(model_dir))
     return model, train.all_ranks_update_metrics(update)
 
