@@ -169,10 +169,15 @@ def prefill_rows(model: Transformer, prompts, num_samples_per_prompt: int, max_s
     # The prompts' own cache only needs their width; each row gets a copy in a full-length buffer.
     prompt_cache, logits, positions = prefill(model, prompts, max(len(prompt) for prompt in prompts))
     rows = torch.arange(len(prompts), device=logits.device).repeat_interleave(num_samples_per_prompt)
+    return copy_prompt_cache_to_rows(model, prompt_cache, rows, max_seq_len), logits[rows], positions[rows]
+
+
+def copy_prompt_cache_to_rows(model: Transformer, prompt_cache: KVCache, rows: torch.Tensor, max_seq_len: int) -> KVCache:
+    """A full-length cache whose row i holds prompt rows[i]'s cache."""
     kv_cache = model.new_kv_cache(len(rows), max_seq_len)
     for row_buffer, prompt_buffer in zip(kv_cache.keys + kv_cache.values, prompt_cache.keys + prompt_cache.values):
         row_buffer[:, : prompt_cache.max_seq_len] = prompt_buffer[rows]
-    return kv_cache, logits[rows], positions[rows]
+    return kv_cache
 
 
 def decode(
