@@ -224,8 +224,7 @@ def decode(
     # in row order, however often rows are evicted: a seed gives the same draws on every device.
     # draw_index: each active row's place among those rows (None: the same rows).
     drawn_rows, draw_index = row_ids, None
-    # The highest cache slot written so far + 1, known on the host without a sync: eager steps attend
-    # over this filled part only, not the whole buffer.
+    # Slots written so far (all rows), tracked on the host: compaction copies only these.
     filled = int(positions.max())
     next_tokens = sample(logits, temperature, top_p, draw_uniforms(num_rows, temperature, generator, device))
     bar = tqdm(total=max_gen_len, desc="generate", unit="step", disable=not progress)
@@ -254,11 +253,11 @@ def decode(
             continue  # all finished between checks: only the draws go on, up to the check
         if compiled:
             torch.compiler.cudagraph_mark_step_begin()
-            next_tokens = step_fn(model, kv_cache, next_tokens, positions, uniforms, temperature, top_p).clone()
-            # (cloned: the graph's output buffer is overwritten by its next replay)
-        else:
-            filled_cache = KVCache([k[:, : filled + 1] for k in kv_cache.keys], [v[:, : filled + 1] for v in kv_cache.values])
-            next_tokens = step_fn(model, filled_cache, next_tokens, positions, uniforms, temperature, top_p)
+        # Attention spans the whole buffer, not just its filled part: a shorter reduction would change
+        # the logits' last bits, and so, now and then, a sampled token for the same seed.
+        next_tokens = step_fn(model, kv_cache, next_tokens, positions, uniforms, temperature, top_p)
+        if compiled:
+            next_tokens = next_tokens.clone()  # the graph's output buffer is overwritten by its next replay
         positions, filled = positions + 1, filled + 1
     bar.close()
     return outputs
