@@ -276,7 +276,7 @@ OP_PARTS = {
 }
 LM_HEAD = "decode: lm_head"
 OTHER_OPS = "decode: other ops (norms, rotary, residuals, indexing)"
-OUTSIDE_OPS = "outside torch ops (Python, dispatch, profiler)"
+OUTSIDE_OPS = "outside torch ops (Python, dispatch, profiler; on CUDA: device idle)"
 
 
 @contextlib.contextmanager
@@ -330,7 +330,8 @@ def profile(args) -> dict:
     lm_head_shape = list(model.lm_head.weight.shape)
     parts = defaultdict(float)
     for event in prof.events():
-        parts[event_part(event, lm_head_shape)] += self_time(event) / 1e6
+        if event.device_type == torch.autograd.DeviceType.CPU:  # ops; their kernels' time is in self_time
+            parts[event_part(event, lm_head_shape)] += self_time(event) / 1e6
     parts[OUTSIDE_OPS] = max(profiled["wall_seconds"] - sum(parts.values()), 0.0)
     parts["decode: layer matmuls, per layer"] = parts[OP_PARTS["aten::linear"]] / model.config.num_hidden_layers
     return report_header(args, device, dtype, workload) | dict(
