@@ -174,6 +174,19 @@ def test_eviction_compacts_rows_inside_the_same_buffers(model):
     assert [buffer.data_ptr() for buffer in kept.keys + kept.values] == pointers
 
 
+def test_eviction_copies_the_written_slots_of_the_rows_that_move(model):
+    cache = model.new_kv_cache(6, 9)
+    for buffer in cache.keys + cache.values:
+        buffer.copy_(torch.randn(buffer.shape))
+    before = [buffer.clone() for buffer in cache.keys + cache.values]
+    rows, filled = torch.tensor([0, 1, 3, 5]), 4
+    kept = keep_rows_in_place(cache, rows, filled)
+    for old, new in zip(before, kept.keys + kept.values):
+        assert torch.equal(new[:, :filled], old[rows, :filled])
+        # Rows 0 and 1 keep their places, and nothing beyond the written slots is touched.
+        assert torch.equal(new[:2], old[:2]) and torch.equal(new[:, filled:], old[:4, filled:])
+
+
 def test_decode_step_traces_as_one_graph(model, prompts):
     """compile_decode needs the step free of graph breaks; trace it here (CUDA graph capture needs a GPU)."""
     cache = model.new_kv_cache(2, 16)
