@@ -14,7 +14,10 @@ OUT="${OUT:-bench/results-gpu}"
 MODEL="${MODEL:-qwen2.5-0.5b}"
 mkdir -p "$OUT"
 
+# Timeouts in seconds (a dry run on a busy CPU gets ten times as long).
+SCALE=1
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
+  SCALE=10
   MODEL=tiny
   DEVICE=(--device cpu)
   ROLLOUT=(--questions 2 --answers 4 --prompt-len 12 --min-gen-len 4 --max-gen-len 16)
@@ -35,20 +38,20 @@ DEVICE_ONLY=("${DEVICE[@]:0:2}")  # step_vs_trl.py picks its dtype itself: bf16 
 failed() { echo "!! $1 failed or timed out (exit $2); going on" | tee -a "$OUT/failures.txt"; }
 
 # Where a rollout's time goes (eager decode: a captured graph hides its parts).
-timeout 90 uv run python -m bench.rollout --model "$MODEL" "${DEVICE[@]}" "${PROFILE[@]}" --profile \
+timeout $((90 * SCALE)) uv run python -m bench.rollout --model "$MODEL" "${DEVICE[@]}" "${PROFILE[@]}" --profile \
   --json-out "$OUT/profile.json" 2>&1 | tee "$OUT/profile.txt" || failed profile $?
 
 # Our engine (eager and compiled decode) vs the GRPO:Zero-style engine vs transformers, 3 interleaved rounds.
-timeout 180 uv run python -m bench.rollout --model "$MODEL" "${DEVICE[@]}" "${ROLLOUT[@]}" --compile \
+timeout $((180 * SCALE)) uv run python -m bench.rollout --model "$MODEL" "${DEVICE[@]}" "${ROLLOUT[@]}" --compile \
   --json-out "$OUT/rollout.json" 2>&1 | tee "$OUT/rollout.txt" || failed rollout $?
 
 # One update step: chunked log-probs vs full logits.
-timeout 60 uv run python -m bench.update "${DEVICE[@]}" "${UPDATE[@]}" \
+timeout $((60 * SCALE)) uv run python -m bench.update "${DEVICE[@]}" "${UPDATE[@]}" \
   --json-out "$OUT/update.json" 2>&1 | tee "$OUT/update.txt" || failed update $?
 
 # A whole GRPO step vs TRL's GRPOTrainer, our decode eager and compiled.
 for compile in "" --compile; do
   name="step_vs_trl${compile:+_compiled}"
-  timeout 75 uv run --group bench python -m bench.step_vs_trl "${DEVICE_ONLY[@]}" "${STEP[@]}" $compile \
+  timeout $((75 * SCALE)) uv run --group bench python -m bench.step_vs_trl "${DEVICE_ONLY[@]}" "${STEP[@]}" $compile \
     --json-out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.txt" || failed "$name" $?
 done
