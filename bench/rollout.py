@@ -94,8 +94,8 @@ def run_grpo_zero_style(model: Transformer, workload: Workload, args) -> None:
     Every answer is its own row, so each prompt is prefilled once per answer; the prompts are fed
     together up to the shortest one, then one position per step for all rows (a row still inside its
     prompt takes its prompt token instead of the sample); every row steps until all rows are done.
-    Like GRPO:Zero, attention covers the filled part of the cache and sampling is softmax+multinomial
-    (temperature only). One concession to it: logits only at the last position of the prefill.
+    Like GRPO:Zero, attention covers the filled part of the cache, only each forward's last position
+    is projected to the vocabulary, and sampling is softmax+multinomial (temperature only).
     """
     device = model.embed_tokens.weight.device
     generator = torch.Generator(device=device).manual_seed(args.seed)
