@@ -83,15 +83,22 @@ def prefill(model: Transformer, prompts: list[list[int]], max_seq_len: int):
     return kv_cache, model(padded, positions, kv_cache, logits_at=lengths - 1), lengths
 
 
-def keep_rows_in_place(kv_cache: KVCache, rows: torch.Tensor) -> KVCache:
+def keep_rows_in_place(kv_cache: KVCache, rows: torch.Tensor, filled: int | None = None) -> KVCache:
     """The cache of `rows` (ascending), moved to the front of each buffer one layer at a time.
 
-    Indexing each buffer with `rows` would build the whole new cache before the old one is freed; at 256 rows of a
-    3B model that transient second cache is 12 GB. Here the extra memory is one layer's rows.
+    Indexing each buffer with `rows` would build the whole new cache before the old one is freed; at 256
+    rows of a 3B model that transient second cache is 12 GB. Here the extra memory is one layer's rows,
+    and only what moves is copied: the rows from the first one whose place changes, and only the first
+    `filled` slots (None: all), since the slots beyond were never written.
     """
+    moved = (rows != torch.arange(len(rows), device=rows.device)).nonzero()
+    first = int(moved[0]) if len(moved) else len(rows)
+    slots = slice(None, filled)
     keys, values = (
-        [buffer[: len(rows)].copy_(buffer[rows]) for buffer in buffers] for buffers in (kv_cache.keys, kv_cache.values)
+        [buffer[: len(rows)] for buffer in buffers] for buffers in (kv_cache.keys, kv_cache.values)
     )
+    for kept, buffer in zip(keys + values, kv_cache.keys + kv_cache.values):
+        kept[first:, slots] = buffer[rows[first:], slots]
     return KVCache(keys, values)
 
 
@@ -167,10 +174,15 @@ def prefill_rows(model: Transformer, prompts, num_samples_per_prompt: int, max_s
     # The prompts' own cache only needs their width; each row gets a copy in a full-length buffer.
     prompt_cache, logits, positions = prefill(model, prompts, max(len(prompt) for prompt in prompts))
     rows = torch.arange(len(prompts), device=logits.device).repeat_interleave(num_samples_per_prompt)
+    return copy_prompt_cache_to_rows(model, prompt_cache, rows, max_seq_len), logits[rows], positions[rows]
+
+
+def copy_prompt_cache_to_rows(model: Transformer, prompt_cache: KVCache, rows: torch.Tensor, max_seq_len: int) -> KVCache:
+    """A full-length cache whose row i holds prompt rows[i]'s cache."""
     kv_cache = model.new_kv_cache(len(rows), max_seq_len)
     for row_buffer, prompt_buffer in zip(kv_cache.keys + kv_cache.values, prompt_cache.keys + prompt_cache.values):
         row_buffer[:, : prompt_cache.max_seq_len] = prompt_buffer[rows]
-    return kv_cache, logits[rows], positions[rows]
+    return kv_cache
 
 
 def decode(
@@ -200,10 +212,18 @@ def decode(
             # The cache is written in place every step; a static address lets the graph do that directly
             # (unguarded: a new cache's address re-records the graph instead of recompiling the step).
             torch._dynamo.mark_static_address(tensor, guard=False)
+    # Reading the finished flags is free on a CPU, so finished rows leave the batch at once there.
+    evict_every_step = evict_finished and device.type == "cpu"
     outputs = torch.full((num_rows, max_gen_len), eos_token_id, device=device)
     # State of the active rows; eviction shrinks these together with the cache.
     row_ids, limits = torch.arange(num_rows, device=device), length_limits
     finished = torch.zeros(num_rows, dtype=torch.bool, device=device)
+    # Uniforms are drawn one per row unfinished at the last check (every FINISHED_CHECK_INTERVAL steps),
+    # in row order, however often rows are evicted: a seed gives the same draws on every device.
+    # draw_index: each active row's place among those rows (None: the same rows).
+    drawn_rows, draw_index = row_ids, None
+    # Slots written so far (all rows), tracked on the host: compaction copies only these.
+    filled = int(positions.max())
     next_tokens = sample(logits, temperature, top_p, draw_uniforms(num_rows, temperature, generator, device))
     bar = tqdm(total=max_gen_len, desc="generate", unit="step", disable=not progress)
     for step in range(max_gen_len):
@@ -211,22 +231,32 @@ def decode(
         finished |= (next_tokens == eos_token_id) | (limits <= step + 1)
         if step + 1 == max_gen_len:
             break
-        if (step + 1) % FINISHED_CHECK_INTERVAL == 0:
+        check = (step + 1) % FINISHED_CHECK_INTERVAL == 0
+        if check:
             bar.update(FINISHED_CHECK_INTERVAL)
             if finished.all():
                 break
-            if evict_finished and finished.any():
-                active = (~finished).nonzero().squeeze(1)
-                kv_cache = keep_rows_in_place(kv_cache, active)
-                next_tokens, positions, row_ids, limits = (t[active] for t in (next_tokens, positions, row_ids, limits))
-                finished = finished[active]
-        uniforms = draw_uniforms(len(row_ids), temperature, generator, device)
+        if (check and evict_finished or evict_every_step) and finished.any():
+            active = (~finished).nonzero().squeeze(1)
+            kv_cache = keep_rows_in_place(kv_cache, active, filled)
+            next_tokens, positions, row_ids, limits = (t[active] for t in (next_tokens, positions, row_ids, limits))
+            finished = finished[active]
+            draw_index = torch.searchsorted(drawn_rows, row_ids)
+        if check:
+            drawn_rows, draw_index = row_ids, None
+        uniforms = draw_uniforms(len(drawn_rows), temperature, generator, device)
+        if draw_index is not None and uniforms is not None:
+            uniforms = uniforms[draw_index]
+        if len(row_ids) == 0:
+            continue  # all finished between checks: only the draws go on, up to the check
         if compiled:
             torch.compiler.cudagraph_mark_step_begin()
+        # Attention spans the whole buffer, not just its filled part: a shorter reduction would change
+        # the logits' last bits, and so, now and then, a sampled token for the same seed.
         next_tokens = step_fn(model, kv_cache, next_tokens, positions, uniforms, temperature, top_p)
         if compiled:
             next_tokens = next_tokens.clone()  # the graph's output buffer is overwritten by its next replay
-        positions = positions + 1
+        positions, filled = positions + 1, filled + 1
     bar.close()
     return outputs
 

@@ -1,21 +1,57 @@
 #!/usr/bin/env bash
-# Rollout and update benchmarks on CUDA in bf16, eager and compiled decode, in one command (< 8 min on
-# an A100/H100-class GPU). Reports (tables + JSON) go to $OUT if set, else bench/results-gpu/.
+# Every GPU benchmark in one command, in bf16, compiled decode off and on; < 8 min on an H100-class GPU.
+# Reports (tables + JSON) go to $OUT if set, else bench/results-gpu/.
 #
-#   bash bench/gpu.sh                 # random weights of the real Qwen2.5-0.5B shape
+#   bash bench/gpu.sh                      # random weights of the real Qwen2.5-0.5B shape
 #   MODEL=path/to/Qwen2.5-3B-Instruct bash bench/gpu.sh
+#   DRY_RUN=1 bash bench/gpu.sh            # the same commands on the CPU at toy sizes: checks the wiring
+#
+# Time budget (timeouts): profile 90 s, rollout 180 s, update 60 s, step vs TRL 2 x 75 s. A benchmark that
+# fails or times out is reported and the next one still runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/results-gpu}"
 MODEL="${MODEL:-qwen2.5-0.5b}"
 mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 
-# GRPO-like rollout: 32 questions x 8 answers, ~120-token prompts, planted lengths 32-512.
-timeout 330 uv run bench/rollout.py --model "$MODEL" --device cuda --dtype bfloat16 --compile --warmup \
-  --questions 32 --answers 8 --min-gen-len 32 --max-gen-len 512 --json-out "$OUT/rollout.json" \
-  2>&1 | tee "$OUT/rollout.txt"
+# Timeouts in seconds (a dry run on a busy CPU gets ten times as long).
+SCALE=1
+if [[ "${DRY_RUN:-0}" == 1 ]]; then
+  SCALE=10
+  MODEL=tiny
+  DEVICE=(--device cpu)
+  ROLLOUT=(--questions 2 --answers 4 --prompt-len 12 --min-gen-len 4 --max-gen-len 16)
+  PROFILE=("${ROLLOUT[@]}")
+  UPDATE=(--model tiny --seq-len 64 --prompt-len 16 --chunk-sizes 32)
+  STEP=(--questions 2 --answers 4 --max-gen-len 8 --micro-batch-size 4 --rounds 1)
+  echo "dry run on the CPU at toy sizes" | tee "$OUT/gpu.txt"
+else
+  DEVICE=(--device cuda --dtype bfloat16)
+  # GRPO-like: 16 questions x 8 answers, ~120-token prompts, planted lengths 32-384.
+  ROLLOUT=(--questions 16 --answers 8 --min-gen-len 32 --max-gen-len 384)
+  PROFILE=(--questions 16 --answers 8 --min-gen-len 32 --max-gen-len 256)  # shorter: the profiler's events cost time
+  UPDATE=(--model qwen2.5-0.5b --chunk-sizes 512 256)  # the training micro-batch, 2 x 1280 tokens
+  STEP=(--questions 16 --answers 8 --max-gen-len 128 --micro-batch-size 64 --rounds 3)
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+fi
+DEVICE_ONLY=("${DEVICE[@]:0:2}")  # step_vs_trl.py picks its dtype itself: bf16 on CUDA, fp32 on the CPU
+failed() { echo "!! $1 failed or timed out (exit $2); going on" | tee -a "$OUT/failures.txt"; }
 
-# One update step at the training micro-batch (2 x 1280 tokens) with the 0.5B-shaped model.
-timeout 120 uv run bench/update.py --model qwen2.5-0.5b --device cuda --dtype bfloat16 --chunk-sizes 512 256 \
-  --json-out "$OUT/update.json" 2>&1 | tee "$OUT/update.txt"
+# Where a rollout's time goes (eager decode: a captured graph hides its parts).
+timeout $((90 * SCALE)) uv run python -m bench.rollout --model "$MODEL" "${DEVICE[@]}" "${PROFILE[@]}" --profile \
+  --json-out "$OUT/profile.json" 2>&1 | tee "$OUT/profile.txt" || failed profile $?
+
+# Our engine (eager and compiled decode) vs the GRPO:Zero-style engine vs transformers, 3 interleaved rounds.
+timeout $((180 * SCALE)) uv run python -m bench.rollout --model "$MODEL" "${DEVICE[@]}" "${ROLLOUT[@]}" --compile \
+  --json-out "$OUT/rollout.json" 2>&1 | tee "$OUT/rollout.txt" || failed rollout $?
+
+# One update step: chunked log-probs vs full logits.
+timeout $((60 * SCALE)) uv run python -m bench.update "${DEVICE[@]}" "${UPDATE[@]}" \
+  --json-out "$OUT/update.json" 2>&1 | tee "$OUT/update.txt" || failed update $?
+
+# A whole GRPO step vs TRL's GRPOTrainer, our decode eager and compiled.
+for compile in "" --compile; do
+  name="step_vs_trl${compile:+_compiled}"
+  timeout $((75 * SCALE)) uv run --group bench python -m bench.step_vs_trl "${DEVICE_ONLY[@]}" "${STEP[@]}" $compile \
+    --json-out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.txt" || failed "$name" $?
+done

@@ -6,8 +6,8 @@ projection, the part this measures, has its real size. Each variant runs in its 
 peak memory is its own (peak RSS on CPU, torch.cuda.max_memory_allocated on CUDA); the parent then
 checks that both produced the same loss and gradients.
 
-    uv run bench/update.py
-    uv run bench/update.py --model qwen2.5-0.5b --device cuda --dtype bfloat16
+    uv run python -m bench.update
+    uv run python -m bench.update --model qwen2.5-0.5b --device cuda --dtype bfloat16
 """
 
 import argparse
@@ -21,11 +21,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from logprobs import token_log_probs  # noqa: E402
-from qwen2_model import ModelConfig, Transformer, init_weights  # noqa: E402
-from rollout import SHAPES  # noqa: E402
+from bench.rollout import SHAPES
+from logprobs import token_log_probs
+from qwen2_model import ModelConfig, Transformer, init_weights
 
 MODEL_SHAPES = SHAPES | {
     "small-body": dict(
@@ -111,7 +109,7 @@ def measure(args) -> dict:
     with tempfile.TemporaryDirectory() as temp_dir:
         for variant, chunk_size in variants.items():
             result_path = Path(temp_dir) / f"{chunk_size}.pt"
-            command = [sys.executable, __file__, *sys_args(args), "--run-chunk-size", str(chunk_size), "--result", str(result_path)]
+            command = [sys.executable, "-m", "bench.update", *sys_args(args), "--run-chunk-size", str(chunk_size), "--result", str(result_path)]
             subprocess.run(command, check=True)
             runs[variant] = torch.load(result_path)
     results = {name: run["result"] for name, run in runs.items()}

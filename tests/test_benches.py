@@ -7,39 +7,96 @@ from pathlib import Path
 
 import pytest
 
+from bench import memory_plan
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT / "bench"))
-
-import memory_plan  # noqa: E402
 
 
-def run_bench(script: str, tmp_path: Path, *args: str) -> tuple[dict, str]:
+def run_bench(module: str, tmp_path: Path, *args: str) -> tuple[dict, str]:
+    """Run `python -m bench.<module>` from the repository root, as the docs say to."""
     json_path = tmp_path / "report.json"
     completed = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "bench" / script), *args, "--json-out", str(json_path)],
+        [sys.executable, "-m", f"bench.{module}", *args, "--json-out", str(json_path)],
         capture_output=True, text=True, check=True, cwd=REPO_ROOT,
     )
     return json.loads(json_path.read_text()), completed.stdout
 
 
+TINY_ROLLOUT = ["--model", "tiny", "--device", "cpu", "--questions", "2", "--answers", "3", "--prompt-len", "10",
+                "--min-gen-len", "2", "--max-gen-len", "20"]
+
+
 @pytest.mark.slow
 def test_rollout_bench_runs_every_engine_on_the_planted_lengths(tmp_path):
-    report, stdout = run_bench(
-        "rollout.py", tmp_path, "--model", "tiny", "--device", "cpu", "--questions", "2", "--answers", "3",
-        "--prompt-len", "10", "--min-gen-len", "2", "--max-gen-len", "20",
-    )
-    assert set(report["engines"]) == {"engine", "reference path", "transformers generate()"}
+    report, stdout = run_bench("rollout", tmp_path, *TINY_ROLLOUT, "--rounds", "3")
+    assert set(report["engines"]) == {"engine", "GRPO:Zero-style", "transformers generate()"}
     assert 2 * 3 * 2 <= report["generated_tokens"] <= 2 * 3 * 20
     for name, result in report["engines"].items():
-        assert result["tokens_per_second"] == pytest.approx(report["generated_tokens"] / result["seconds"])
+        assert len(result["rounds"]) == 3
+        for clock in ("wall_seconds", "cpu_seconds"):
+            assert result[clock] == sorted(r[clock] for r in result["rounds"])[1]  # the median
+        assert result["tokens_per_cpu_second"] == pytest.approx(report["generated_tokens"] / result["cpu_seconds"])
         assert f"| {name}" in stdout
-    assert report["engines"]["reference path"]["speedup_vs_reference"] == 1.0
+    reference = report["engines"]["GRPO:Zero-style"]
+    assert reference["cpu_speedup_vs_reference"] == reference["wall_speedup_vs_reference"] == 1.0
+
+
+@pytest.mark.slow
+def test_rollout_profile_splits_the_whole_rollout_into_parts(tmp_path):
+    report, stdout = run_bench("rollout", tmp_path, *TINY_ROLLOUT, "--profile")
+    parts = report["parts"]
+    for part in ("prefill (one forward over the prompts)", "decode: lm_head", "decode: layer matmuls (all layers)",
+                 "decode: attention over the cache", "sampling (softmax, CDF, search)"):
+        assert parts[part] > 0, part
+    # The parts (less the per-layer figure, a share of the matmuls) add up to the profiled wall time.
+    total = sum(seconds for part, seconds in parts.items() if not part.endswith("per layer"))
+    assert total == pytest.approx(report["profiled"]["wall_seconds"], rel=0.05)
+    assert "| decode: lm_head |" in stdout
+
+
+@pytest.mark.slow
+def test_step_bench_worker_reports_each_step_when_told(tmp_path):
+    """Our side of bench/step_vs_trl.py on its own (no TRL needed): one JSON line per 'go'."""
+    from bench import step_vs_trl
+
+    args = step_vs_trl.parse_args(["--questions", "2", "--answers", "2", "--max-gen-len", "4", "--micro-batch-size", "2",
+                                   "--rounds", "1", "--device", "cpu"])
+    step_vs_trl.prepare(tmp_path, args)
+    completed = subprocess.run(
+        step_vs_trl.worker_command("ours", tmp_path, args), input="go\ngo\n", capture_output=True, text=True,
+        check=True, cwd=REPO_ROOT,
+    )
+    steps = [json.loads(line) for line in completed.stdout.splitlines()]
+    assert len(steps) == 2  # the warm-up and one timed step
+    for step in steps:
+        assert step["total_wall"] == pytest.approx(step["rollout_wall"] + step["update_wall"])
+        assert step["rollout_wall"] > 0 and step["update_wall"] > 0 and step["peak_memory_bytes"] > 0
+
+
+def test_step_bench_without_trl_says_how_to_get_it():
+    blocked = "import sys, runpy; sys.modules['trl'] = None; runpy.run_module('bench.step_vs_trl', run_name='__main__')"
+    completed = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, cwd=REPO_ROOT)
+    assert completed.returncode == 1
+    assert "uv run --group bench python -m bench.step_vs_trl" in completed.stderr
+
+
+@pytest.mark.slow
+def test_step_bench_runs_both_sides(tmp_path):
+    pytest.importorskip("trl", reason="TRL is in the bench dependency group: uv run --group bench pytest ...")
+    report, stdout = run_bench(
+        "step_vs_trl", tmp_path, "--questions", "2", "--answers", "2", "--max-gen-len", "4", "--micro-batch-size", "2",
+        "--rounds", "1", "--device", "cpu",
+    )
+    assert set(report["sides"]) == {"ours", "TRL"}
+    for side in report["sides"].values():
+        assert len(side["rounds"]) == 1 and side["total_cpu"] > 0 and side["peak_memory_bytes"] > 0
+    assert "| ours vs TRL (throughput) |" in stdout
 
 
 @pytest.mark.slow
 def test_update_bench_gets_equal_loss_and_gradients(tmp_path):
     report, stdout = run_bench(
-        "update.py", tmp_path, "--model", "tiny", "--device", "cpu", "--seq-len", "24", "--prompt-len", "8",
+        "update", tmp_path, "--model", "tiny", "--device", "cpu", "--seq-len", "24", "--prompt-len", "8",
         "--chunk-sizes", "5", "23",
     )
     assert set(report["variants"]) == {"full logits", "chunk 5", "chunk 23"}

@@ -174,6 +174,19 @@ def test_eviction_compacts_rows_inside_the_same_buffers(model):
     assert [buffer.data_ptr() for buffer in kept.keys + kept.values] == pointers
 
 
+def test_eviction_copies_the_written_slots_of_the_rows_that_move(model):
+    cache = model.new_kv_cache(6, 9)
+    for buffer in cache.keys + cache.values:
+        buffer.copy_(torch.randn(buffer.shape))
+    before = [buffer.clone() for buffer in cache.keys + cache.values]
+    rows, filled = torch.tensor([0, 1, 3, 5]), 4
+    kept = keep_rows_in_place(cache, rows, filled)
+    for old, new in zip(before, kept.keys + kept.values):
+        assert torch.equal(new[:, :filled], old[rows, :filled])
+        # Rows 0 and 1 keep their places, and nothing beyond the written slots is touched.
+        assert torch.equal(new[:2], old[:2]) and torch.equal(new[:, filled:], old[:4, filled:])
+
+
 def test_decode_step_traces_as_one_graph(model, prompts):
     """compile_decode needs the step free of graph breaks; trace it here (CUDA graph capture needs a GPU)."""
     cache = model.new_kv_cache(2, 16)
@@ -198,3 +211,52 @@ def test_bad_arguments_are_explained(model, kwargs, message):
     arguments = dict(prompts=[[1, 2]], num_samples_per_prompt=2, max_gen_len=4, eos_token_id=0) | kwargs
     with pytest.raises(ValueError, match=message):
         generate(model, **arguments)
+
+
+@torch.no_grad()
+def naive_sampled(model, prompts, num_samples, max_gen_len, eos_token_id, temperature, seed, stop_lengths, evict):
+    """What generate() samples for a seed, derived from first principles, one row at a time.
+
+    Row r's token at each step inverts softmax(logits / temperature)'s CDF (float64 here) at the
+    uniform drawn for it. Every step draws one uniform per row still in the batch, in row order; a row
+    that finished (eos or its length limit) leaves the batch at the next multiple of 8 steps (never,
+    without eviction), and generation stops at such a check once every row is finished.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    rows = [list(prompt) for prompt in prompts for _ in range(num_samples)]
+    limits = [min(limit, max_gen_len) for limit in stop_lengths]
+    generated, done = [[] for _ in rows], [False] * len(rows)
+    in_batch = list(range(len(rows)))
+    for step in range(max_gen_len):
+        uniforms = torch.rand(len(in_batch), generator=generator).double()
+        for uniform, row in zip(uniforms, in_batch):
+            if done[row]:
+                continue  # its later tokens are discarded, but it still took a uniform
+            logits = model(torch.tensor([rows[row] + generated[row]]))[0, -1].double()
+            cdf = torch.softmax(logits / temperature, -1).cumsum(-1)
+            generated[row].append(int((cdf <= uniform * cdf[-1]).sum()))
+            done[row] = generated[row][-1] == eos_token_id or len(generated[row]) == limits[row]
+        if (step + 1) % 8 == 0:
+            if all(done):
+                break
+            if evict:
+                in_batch = [row for row in in_batch if not done[row]]
+    return [Completion(tokens, finished=tokens[-1] == eos_token_id) for tokens in generated]
+
+
+@pytest.mark.parametrize("flags", FLAG_COMBINATIONS, ids=FLAG_IDS)
+def test_sampled_tokens_for_a_seed_match_the_first_principles_sampler(model, prompts, flags):
+    """Pins what a seed gives (the RNG draws and the token each one picks), so speed-ups cannot change it."""
+    temperature, seed, num_samples, max_gen_len = 0.7, 11, 2, 20
+    # Rows finish inside different eviction windows; the eos is a token sampling actually meets.
+    stop_lengths = [3, 20, 9, 17, 1, 12, 20, 6]
+    evict = flags["evict_finished"]
+    probe = naive_sampled(model, prompts, num_samples, max_gen_len, -1, temperature, seed, stop_lengths, evict)
+    eos_token_id = probe[1].token_ids[10]
+    expected = naive_sampled(model, prompts, num_samples, max_gen_len, eos_token_id, temperature, seed, stop_lengths, evict)
+    assert any(c.finished for c in expected) and sum(len(c.token_ids) for c in expected) > 40
+    completions = generate(
+        model, prompts, num_samples, max_gen_len, eos_token_id, temperature=temperature,
+        generator=torch.Generator().manual_seed(seed), stop_lengths=stop_lengths, **flags,
+    )
+    assert completions == expected
