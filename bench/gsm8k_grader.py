@@ -7,26 +7,23 @@ response length. Part 3 grades the answer corpus of tests/fixtures/gsm8k/answer_
 gold answer of --data written the ways models write it, plus rare probe forms) with this grader
 and with math-verify (the dev dependency), and prints the agreement of each form.
 
-    uv run bench/gsm8k_grader.py [--data tests/fixtures/gsm8k] [--seconds-per-case 0.3] [--json-out report.json]
+    uv run python -m bench.gsm8k_grader [--data tests/fixtures/gsm8k] [--seconds-per-case 0.3] [--json-out report.json]
 """
 
 import argparse
 import json
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "tests"))
+import math_verify
 
-import math_verify  # noqa: E402
-from fixtures.gsm8k.answer_corpus import build_corpus  # noqa: E402
-
-from gsm8k_task import (  # noqa: E402
+from gsm8k_task import (
     MAX_ANSWER_CHARS, answers_match, extract_gold_answer, load_gsm8k_rows, reward_function,
 )
+from tests.fixtures.gsm8k.answer_corpus import build_corpus
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 END = "<|endoftext|>"
 GOLD = "18"
@@ -131,7 +128,7 @@ def print_table(title: str, results: dict) -> None:
 def print_agreement(table: dict, seconds: dict) -> None:
     pairs = sum(row["pairs"] for row in table.values())
     disagree = sum(row["disagree"] for row in table.values())
-    print(f"\n| form | pairs | ours accept | math-verify accepts | disagree | example |\n|---|---:|---:|---:|---:|---|")
+    print("\n| form | pairs | ours accept | math-verify accepts | disagree | example |\n|---|---:|---:|---:|---:|---|")
     for form, row in table.items():
         example = (row["example"] or "").replace("|", "\\|")
         counts = " | ".join(str(row[key]) for key in ("pairs", "ours_accept", "math_verify_accept", "disagree"))

@@ -7,20 +7,17 @@ Training alternates three phases, and the device must hold the largest of them:
 Gradients do not exist during rollout: the update ends with zero_grad(set_to_none=True).
 Not counted: the CUDA context and allocator fragmentation (typically 0.5-1.5 GB together).
 
-    uv run bench/memory_plan.py [--configs config.yaml config_24GB.yaml]
+    uv run python -m bench.memory_plan [--configs config.yaml config_24GB.yaml]
 """
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from qwen2_model import ModelConfig, Transformer  # noqa: E402
+from qwen2_model import ModelConfig, Transformer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 QWEN25_3B = ModelConfig(

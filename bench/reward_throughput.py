@@ -3,18 +3,14 @@
 Every case must stay far below 10 ms per call: the parser's work is bounded by
 countdown_task.MAX_ANSWER_CHARS, and the tag checks are linear in the response length.
 
-    uv run bench/reward_throughput.py [--seconds-per-case 0.3]
+    uv run python -m bench.reward_throughput [--seconds-per-case 0.3]
 """
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from countdown_task import MAX_ANSWER_CHARS, reward_function  # noqa: E402
+from countdown_task import MAX_ANSWER_CHARS, reward_function
 
 END = "<|im_end|>"
 NUMBERS, TARGET = [44, 19, 35], 98

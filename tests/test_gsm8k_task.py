@@ -498,7 +498,7 @@ def test_sft_data_gets_full_reward_on_every_train_row(tmp_path, gsm8k_dir, templ
 def test_grader_bench_reports_throughput_and_the_agreement_table(tmp_path):
     json_path = tmp_path / "report.json"
     completed = subprocess.run(
-        [sys.executable, "bench/gsm8k_grader.py", "--seconds-per-case", "0.001", "--json-out", str(json_path)],
+        [sys.executable, "-m", "bench.gsm8k_grader", "--seconds-per-case", "0.001", "--json-out", str(json_path)],
         capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1],
     )
     report = json.loads(json_path.read_text())
