@@ -127,3 +127,17 @@ def test_memory_plan_matches_hand_arithmetic(capsys):
     for plan in (big, small):
         assert plan["peak"] == max(plan["phases"].values())
     assert small["peak"] < 24e9 < big["peak"] < 48e9
+
+
+def test_variants_table_gives_mean_min_max_over_seeds(tmp_path):
+    from bench import variants_table
+
+    for variant, seed, after, gain in (("dapo", 0, 0.50, 0.10), ("dapo", 1, 0.40, 0.02), ("baseline", 0, 0.45, 0.05)):
+        run = {"seed": seed, "after": {"success_t1": after, "success_greedy": after + 0.05}, "gain_t1": gain,
+               "gain_greedy": gain / 2, "stages": {"grpo_seconds": 100.0 * (seed + 1)}}
+        (tmp_path / f"{variant}-s{seed}").mkdir()
+        (tmp_path / f"{variant}-s{seed}" / "learning_cpu.json").write_text(json.dumps({"seeds": [run]}))
+    rows = {line.split(" | ")[0].strip("| "): line for line in variants_table.table(
+        variants_table.read_runs(tmp_path)).splitlines() if line.startswith("| ") and "variant" not in line}
+    assert rows["dapo"] == "| dapo | 0,1 | 45.0 [40.0, 50.0] | +6.0 [+2.0, +10.0] | 50.0 [45.0, 55.0] | +3.0 [+1.0, +5.0] | 150.0 [100.0, 200.0] |"
+    assert rows["baseline"].startswith("| baseline | 0 | 45.0 [45.0, 45.0] |")
