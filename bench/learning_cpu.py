@@ -1,82 +1,261 @@
-"""Run the CPU demo from scratch and report how much GRPO learned, and how long each phase took.
+"""Does the CPU demo learn on every seed? Runs it from scratch per seed and writes a table.
 
-    uv run bench/learning_cpu.py [--config config_cpu.yaml] [--workdir DIR] [--set section.key=value ...]
+    uv run bench/learning_cpu.py [--seeds 3] [--config config_cpu.yaml] [--out runs/learning_cpu]
+                                 [--overlay VARIANT.yaml] [--cache-dir DIR] [--set section.key=value ...]
 
-Everything the demo creates (dataset, base model, SFT model, logs, checkpoints) goes to a fresh
---workdir, so nothing cached from an earlier run is reused. Prints a table and JSON: held-out success
-after SFT (GRPO step 0) and at every evaluation, the final value, the gain, the final format rate,
-and the wall time of each phase.
+For each seed S (0 .. N-1, or from --first-seed) it runs the demo's stages as `uv run train.py --config config_cpu.yaml`
+does, with S driving all of them: the CountDown dataset (`--seed S`), the random base model
+(`--seed S`), the SFT warm-up (seed S) and GRPO (seed S: question order and sampling). It then scores
+the SFT model (GRPO's start) and the final GRPO checkpoint on the whole held-out split (task.test_size
+questions, one answer each, at T=1 and greedy), and writes OUT/learning_cpu.json, OUT/learning_cpu.md
+(the table: per seed, then mean/min/max) and OUT/curves.png (every seed's evaluation curve).
+
+--overlay applies a YAML of config overrides to the GRPO stage only (e.g. a loss variant).
+--cache-dir keeps each seed's dataset, base model, SFT model and its held-out scores, keyed by the
+seed and every setting they depend on, so a later invocation (say, with another --overlay) reruns
+only GRPO. Without --cache-dir they go under OUT, which must be new or empty.
 """
 
 import argparse
+import hashlib
 import json
+import logging
+import math
+import os
+import shlex
+import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's modules; this file runs from bench/
 
 import config as config_lib  # noqa: E402
+import countdown_task  # noqa: E402
+import tasks  # noqa: E402
 import tiny_model  # noqa: E402
 import train  # noqa: E402
-from bootstrap import BootstrapConfig, prepare_missing_inputs  # noqa: E402
-from docs.plot_curves import read_scalars  # noqa: E402
+from evaluate import EvalConfig, evaluate  # noqa: E402
+from plot_curves import plot_success_curves, success_curve  # noqa: E402
+from runtime import load_model, resolve_device, set_cpu_threads  # noqa: E402
+from tokenizer import Tokenizer  # noqa: E402
+from train_sft import SFTConfig, train_sft  # noqa: E402
+
+# The bar of issue 17, checked on every seed (fractions; "gain" is final minus SFT start).
+BAR = {"sft_t1_min": 0.25, "final_t1_min": 0.42, "gain_t1_min": 0.15, "gain_greedy_min": 0.10, "demo_seconds_max": 600}
 
 
-def timed(function, *args, **kwargs) -> float:
+def load_avg() -> float:
+    return round(os.getloadavg()[0], 1)
+
+
+def timed(stage_times: dict, name: str, function, *args, **kwargs):
+    """Run function, record its wall seconds and the 1-minute load average at its end."""
     start = time.perf_counter()
-    function(*args, **kwargs)
-    return time.perf_counter() - start
+    result = function(*args, **kwargs)
+    stage_times[f"{name}_seconds"] = round(time.perf_counter() - start, 1)
+    stage_times[f"{name}_load_avg"] = load_avg()
+    return result
+
+
+def grpo_values(args: argparse.Namespace) -> dict:
+    """The demo config with the overlay and --set applied: what the GRPO stage runs."""
+    values = config_lib.read_yaml(args.config)
+    if args.overlay:
+        values = config_lib.merge(values, config_lib.read_yaml(args.overlay))
+    for assignment in args.set:
+        config_lib.apply_override(values, assignment)
+    return values
+
+
+def sft_config_for(config: train.TrainConfig, seed: int, stage_dir: Path) -> SFTConfig:
+    """The warm-up bootstrap.py would run for this config, with the seed and paths of this bench."""
+    overrides = [*config.bootstrap.sft_overrides, f"output_dir={stage_dir / 'sft-model'}",
+                 f"model.dir={stage_dir / 'base-model'}", f"logging.log_dir={stage_dir / 'logs'}", f"seed={seed}",
+                 "progress=false"]
+    sft_config = config_lib.load(SFTConfig, config.bootstrap.sft_config, overrides)
+    sft_config.task = config.task  # as bootstrap.py: the warm-up learns the task GRPO trains on
+    return sft_config
+
+
+def cache_key(config: train.TrainConfig, seed: int) -> str:
+    """Everything the dataset, base model and SFT model depend on (not GRPO settings)."""
+    sft_values = config_lib.to_dict(sft_config_for(config, seed, Path("<stage>")))
+    settings = {"seed": seed, "dataset_args": config.bootstrap.dataset_args, "task": config_lib.to_dict(config.task),
+                "base_model_args": config.bootstrap.base_model_args, "sft": sft_values}
+    settings["task"].pop("data_dir")
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def build_sft_model(config: train.TrainConfig, seed: int, stage_dir: Path) -> dict:
+    """Dataset, base model and SFT model of one seed into stage_dir (reused when complete); their times."""
+    done_file = stage_dir / "stages.json"
+    if done_file.is_file():
+        return {**json.loads(done_file.read_text()), "cached": True}
+    if stage_dir.exists() and any(stage_dir.iterdir()):
+        raise SystemExit(f"{stage_dir} holds an unfinished earlier run; delete it and rerun.")
+    times = {}
+    seed_arg = ["--seed", str(seed)]  # after the config's own arguments, so it wins
+    timed(times, "dataset", countdown_task.main,
+          ["generate", "--out", str(stage_dir / "countdown"), *shlex.split(config.bootstrap.dataset_args), *seed_arg])
+    timed(times, "base_model", tiny_model.main,
+          ["--out", str(stage_dir / "base-model"), *shlex.split(config.bootstrap.base_model_args), *seed_arg])
+    sft_config = sft_config_for(config, seed, stage_dir)
+    sft_config.task.data_dir = str(stage_dir / "countdown")
+    timed(times, "sft", train_sft, sft_config)
+    done_file.write_text(json.dumps(times, indent=2) + "\n")
+    return {**times, "cached": False}
+
+
+def max_gen_len(config: train.TrainConfig) -> int:
+    return config.eval.max_gen_len or config.rollout.max_gen_len
+
+
+def held_out_scores(model_dir: Path, config: train.TrainConfig, seed: int) -> dict:
+    """Success and format rate on the whole held-out split, one answer per question, at T=1 and greedy."""
+    device = resolve_device(config.device)
+    model = load_model(config.model, device, model_dir)
+    tokenizer = Tokenizer(model_dir)
+    test_set = tasks.load_dataset(config.task, tokenizer, "test")
+    scores = {}
+    for name, temperature in (("t1", 1.0), ("greedy", 0.0)):
+        eval_config = EvalConfig(max_questions=None, batch_size=config.eval.batch_size, num_samples=1,
+                                 temperature=temperature, max_gen_len=config.eval.max_gen_len)
+        generator = torch.Generator(device=device).manual_seed(seed)
+        metrics, _ = evaluate(model, tokenizer, test_set, tasks.reward_function(config.task), max_gen_len(config),
+                              eval_config, generator, progress=False)
+        scores[f"success_{name}"] = round(metrics["success_rate"], 4)
+        scores[f"format_{name}"] = round(metrics["format_rate"], 4)
+        scores["questions"] = metrics["num_questions"]
+    return scores
+
+
+def run_seed(args: argparse.Namespace, seed: int, cache_dir: Path, out: Path) -> dict:
+    values = grpo_values(args)
+    config = config_lib.build(train.TrainConfig, values)
+    stage_dir = cache_dir / f"seed{seed}-{cache_key(config, seed)}"
+    run_dir = out / f"seed{seed}"
+    if run_dir.exists():
+        raise SystemExit(f"{run_dir} exists from an earlier run; pass a new --out or delete it.")
+    print(f"== seed {seed}: dataset + SFT model in {stage_dir}, GRPO run in {run_dir}", flush=True)
+    stages = build_sft_model(config, seed, stage_dir)
+
+    for assignment in (f"seed={seed}", f"task.data_dir={stage_dir / 'countdown'}",
+                       f"model.dir={stage_dir / 'sft-model'}", f"logging.log_dir={run_dir / 'logs'}",
+                       f"checkpoint.dir={run_dir / 'checkpoints'}", "progress=false"):
+        config_lib.apply_override(values, assignment)
+    config = config_lib.build(train.TrainConfig, values)
+    set_cpu_threads(config.cpu_threads)
+    # The SFT model's scores, kept with it: they depend only on it, the seed and these settings.
+    before_file = stage_dir / (f"held_out_{config.task.test_size}q_gen{max_gen_len(config)}"
+                               f"_batch{config.eval.batch_size}.json")
+    if not before_file.is_file():
+        before_file.write_text(json.dumps(held_out_scores(stage_dir / "sft-model", config, seed), indent=2) + "\n")
+    before = json.loads(before_file.read_text())
+
+    grpo = {}
+    timed(grpo, "grpo", train.train, config)
+    final_checkpoint = run_dir / "checkpoints" / config.run_name / f"step_{config.optim.num_steps:06d}"
+    after = timed(grpo, "final_eval", held_out_scores, final_checkpoint, config, seed)
+    steps, curve = success_curve(str(run_dir / "logs" / config.run_name))
+    bootstrap_seconds = sum(stages.get(f"{name}_seconds", 0.0) for name in ("dataset", "base_model", "sft"))
+    demo_seconds = bootstrap_seconds + grpo["grpo_seconds"]
+    return {
+        "seed": seed, "held_out_questions": after["questions"], "sft_model": str(stage_dir / "sft-model"),
+        "final_checkpoint": str(final_checkpoint), "before": before, "after": after,
+        "gain_t1": round(after["success_t1"] - before["success_t1"], 4),
+        "gain_greedy": round(after["success_greedy"] - before["success_greedy"], 4),
+        "curve_steps": steps, "curve_success_t1": [round(value, 4) for value in curve],
+        "curve_questions": config.eval.max_questions or config.task.test_size,
+        "stages": {**stages, **grpo}, "demo_seconds": round(demo_seconds, 1),
+    }
+
+
+def meets_bar(result: dict) -> dict[str, bool]:
+    return {
+        "sft_t1>=25%": result["before"]["success_t1"] >= BAR["sft_t1_min"],
+        "final_t1>=42%": result["after"]["success_t1"] >= BAR["final_t1_min"],
+        "gain_t1>=15pts": result["gain_t1"] >= BAR["gain_t1_min"],
+        "gain_greedy>=10pts": result["gain_greedy"] >= BAR["gain_greedy_min"],
+        "demo<=10min": result["demo_seconds"] <= BAR["demo_seconds_max"],
+    }
+
+
+COLUMNS = [  # (header, how to read it from a seed's result, format)
+    ("SFT T=1", lambda r: 100 * r["before"]["success_t1"], "{:.1f}"),
+    ("GRPO T=1", lambda r: 100 * r["after"]["success_t1"], "{:.1f}"),
+    ("gain T=1", lambda r: 100 * r["gain_t1"], "{:+.1f}"),
+    ("SFT greedy", lambda r: 100 * r["before"]["success_greedy"], "{:.1f}"),
+    ("GRPO greedy", lambda r: 100 * r["after"]["success_greedy"], "{:.1f}"),
+    ("gain greedy", lambda r: 100 * r["gain_greedy"], "{:+.1f}"),
+    ("format T=1", lambda r: 100 * r["after"]["format_t1"], "{:.1f}"),
+    ("data s", lambda r: r["stages"].get("dataset_seconds", 0.0), "{:.0f}"),
+    ("SFT s", lambda r: r["stages"].get("sft_seconds", 0.0), "{:.0f}"),
+    ("GRPO s", lambda r: r["stages"]["grpo_seconds"], "{:.0f}"),
+    ("demo s", lambda r: r["demo_seconds"], "{:.0f}"),
+    ("load", lambda r: r["stages"]["grpo_load_avg"], "{:.1f}"),
+]
+
+
+def markdown_table(results: list[dict]) -> str:
+    questions = results[0]["held_out_questions"]
+    standard_error = 100 * math.sqrt(0.25 / questions)
+    lines = ["| seed | " + " | ".join(header for header, _, _ in COLUMNS) + " | bar |",
+             "|---" * (len(COLUMNS) + 2) + "|"]
+    for result in results:
+        failed = [name for name, ok in meets_bar(result).items() if not ok]
+        cells = [form.format(read(result)) for _, read, form in COLUMNS]
+        verdict = "met" if not failed else "missed: " + ", ".join(failed)
+        lines.append(f"| {result['seed']} | " + " | ".join(cells) + f" | {verdict} |")
+    for name, reduce in (("mean", statistics.mean), ("min", min), ("max", max)):
+        cells = [form.format(reduce([read(r) for r in results])) for _, read, form in COLUMNS]
+        lines.append(f"| {name} | " + " | ".join(cells) + " | |")
+    lines += ["", f"Success in % on the {questions} held-out questions, one answer each; the standard error of one "
+              f"number is at most {standard_error:.2f} points (p = 0.5). SFT = the model GRPO starts from; GRPO = the "
+              "final checkpoint. Times in seconds (cached stages: 0 or their first run's time); demo s = dataset + "
+              "base model + SFT + GRPO with its evaluations; load = 1-minute load average at the end of GRPO."]
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, default=3, help="how many seeds: FIRST .. FIRST+N-1")
+    parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--config", default="config_cpu.yaml")
-    parser.add_argument("--workdir", help="where the run's files go (default: a new temporary directory)")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    parser.add_argument("--json-out", help="also write the JSON result here")
+    parser.add_argument("--overlay", help="YAML of overrides applied to the GRPO stage")
+    parser.add_argument("--cache-dir", help="reuse each seed's dataset + SFT model from here (default: under --out)")
+    parser.add_argument("--out", default="runs/learning_cpu")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="GRPO override")
+    parser.add_argument("--json-out", help="also write the JSON here")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if args.seeds < 1:
+        parser.error("--seeds must be >= 1")
+    try:
+        config_lib.build(train.TrainConfig, grpo_values(args))  # a bad value stops here, before any work
+    except config_lib.ConfigError as error:
+        raise SystemExit(f"config error: {error}") from None
+    out = Path(args.out)
+    cache_dir = Path(args.cache_dir) if args.cache_dir else out / "cache"
+    out.mkdir(parents=True, exist_ok=True)
 
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="learning_cpu_"))
-    relocate = [f"task.data_dir={workdir / 'countdown'}", f"model.dir={workdir / 'sft-model'}",
-                f"bootstrap.data_dir={workdir / 'countdown'}", f"bootstrap.model_dir={workdir / 'sft-model'}",
-                f"logging.log_dir={workdir / 'logs'}", f"checkpoint.dir={workdir / 'checkpoints'}"]
-    config = config_lib.load(train.TrainConfig, args.config, relocate + args.set)
-    base_model_dir = workdir / "base-model"
-    config.bootstrap.sft_overrides += [f"model.dir={base_model_dir}", f"logging.log_dir={workdir / 'logs'}"]
-
-    phases = {}
-    phases["dataset_seconds"] = timed(prepare_missing_inputs, BootstrapConfig(data_dir=config.task.data_dir,
-                                                                     dataset_args=config.bootstrap.dataset_args),
-                                      config.task, None)
-    phases["base_model_seconds"] = timed(tiny_model.main, ["--out", str(base_model_dir), *config.bootstrap.base_model_args.split()])
-    phases["sft_seconds"] = timed(prepare_missing_inputs, config.bootstrap, config.task, config.model.dir)
-    phases["grpo_seconds"] = timed(train.train, config)
-    phases["total_seconds"] = sum(phases.values())
-
-    scalars = read_scalars(str(workdir / "logs" / config.run_name))
-    steps, success = scalars["eval/success_rate"]
-    result = {
-        "config": args.config,
-        "workdir": str(workdir),
-        "eval_questions": int(scalars["eval/num_questions"][1][0]),
-        "eval_success_by_step": dict(zip(steps, [round(value, 4) for value in success])),
-        "sft_starting_point": round(success[0], 4),
-        "final_success": round(success[-1], 4),
-        "gain_percentage_points": round(100 * (success[-1] - success[0]), 1),
-        "final_format_rate": round(scalars["eval/format_rate"][1][-1], 4),
-        "final_mean_format_reward": round(scalars["reward/format"][1][-1], 4),
-        **{key: round(value, 1) for key, value in phases.items()},
-    }
-    print(f"{'GRPO step':>10} {'held-out success':>17}")
-    for step, value in result["eval_success_by_step"].items():
-        print(f"{step:>10} {value:>17.3f}")
-    print(f"gain {result['gain_percentage_points']:+.1f} pp; phases (s): "
-          + ", ".join(f"{key.removesuffix('_seconds')} {value:.0f}" for key, value in phases.items()))
-    print(json.dumps(result, indent=2))
+    results = [run_seed(args, seed, cache_dir, out) for seed in range(args.first_seed, args.first_seed + args.seeds)]
+    report = {"config": args.config, "overlay": args.overlay, "set": args.set, "bar": BAR,
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu_count": os.cpu_count(),
+              "torch": torch.__version__, "seeds": results,
+              "bar_met_on_every_seed": all(all(meets_bar(r).values()) for r in results)}
+    table = markdown_table(results)
+    json_text = json.dumps(report, indent=2) + "\n"
+    (out / "learning_cpu.json").write_text(json_text)
+    (out / "learning_cpu.md").write_text(table)
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
+        Path(args.json_out).write_text(json_text)
+    plot_success_curves({f"seed {r['seed']}": (r["curve_steps"], r["curve_success_t1"]) for r in results},
+                        str(out / "curves.png"),
+                        f"CPU demo, {len(results)} seeds: held-out success ({results[0]['curve_questions']} questions)")
+    print(table)
 
 
 if __name__ == "__main__":

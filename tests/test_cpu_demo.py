@@ -1,15 +1,32 @@
-"""The CPU demo, shortened: from nothing to an SFT model to GRPO that raises held-out success."""
+"""The CPU demo's commands, shortened: `train.py --config config_cpu.yaml` from nothing (dataset, base
+model, SFT warm-up, GRPO), greedy `evaluate.py` on its final checkpoint, and bench/learning_cpu.py."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import config as config_lib
-import train
+import countdown_task
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(*command: str) -> str:
+    completed = subprocess.run([sys.executable, *command], capture_output=True, text=True, cwd=REPO_ROOT)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return completed.stdout
+
+
+def set_flags(overrides: list[str]) -> list[str]:
+    return [flag for override in overrides for flag in ("--set", override)]
 
 
 @pytest.mark.slow
-def test_shortened_demo_learns(tmp_path):
-    """config_cpu.yaml on a smaller, 2-number task with shorter SFT and GRPO phases (~2.5 minutes)."""
+def test_shortened_demo_learns_and_its_checkpoint_evaluates_greedily(tmp_path):
+    """The demo command on a 2-number task with shorter SFT and GRPO phases (~105 s of CPU time; 6.5 min wall on the loaded 2-core machine)."""
     overrides = [
         f"task.data_dir={tmp_path / 'countdown'}", f"model.dir={tmp_path / 'sft-model'}",
         f"bootstrap.data_dir={tmp_path / 'countdown'}", f"bootstrap.model_dir={tmp_path / 'sft-model'}",
@@ -19,13 +36,53 @@ def test_shortened_demo_learns(tmp_path):
         f"bootstrap.sft_overrides=[model.dir={tmp_path / 'base-model'}, logging.log_dir={tmp_path / 'logs'},"
         " optim.num_steps=300, eval.interval=0, progress=false]",
     ]
-    config = config_lib.load(train.TrainConfig, "config_cpu.yaml", overrides)
-    final = train.train(config)
+    run_script("train.py", "--config", "config_cpu.yaml", *set_flags(overrides))
 
     events = EventAccumulator(str(tmp_path / "logs" / "cpu-demo")).Reload()
     success = {event.step: event.value for event in events.Scalars("eval/success_rate")}
     assert sorted(success) == [0, 30]
     assert success[0] > 0.1, "the SFT warm-up should already solve some held-out questions"
     assert success[30] > success[0], f"GRPO did not raise held-out success: {success}"
-    assert final["format_rate"] > 0.9
-    assert (tmp_path / "checkpoints" / "cpu-demo" / "step_000030" / "model.safetensors").is_file()
+    assert events.Scalars("eval/format_rate")[-1].value > 0.9
+
+    final_checkpoint = tmp_path / "checkpoints" / "cpu-demo" / "step_000030"
+    samples_file = tmp_path / "greedy.jsonl"
+    run_script("evaluate.py", "--model", str(final_checkpoint), "--temperature", "0", "--samples", "1", "--out", str(samples_file))
+    samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
+    assert len(samples) == 128  # the checkpoint's config: its task.test_size held-out questions, one answer each
+    # Scored again here by the task's own reward on the saved text, independent of evaluate.py's summary.
+    rescored = [countdown_task.answer_reward(s["response"], s["nums"], s["target"]) == 1.0 for s in samples]
+    assert [s["reward_info"]["answer_reward"] == 1.0 for s in samples] == rescored
+    assert sum(rescored) / len(samples) > 0.1
+
+
+@pytest.mark.slow
+def test_learning_bench_runs_every_seed_and_reuses_its_cache(tmp_path):
+    """bench/learning_cpu.py at toy sizes: per-seed data and models, the table, and the cache a variant reuses."""
+    tiny = [
+        "task.test_size=48", "eval.max_questions=16", "eval.interval=2", "optim.num_steps=2", "checkpoint.interval=0",
+        "rollout.episodes_per_step=16",
+        "bootstrap.dataset_args=--size 400 --min-numbers 2 --max-numbers 2 --max-number 20 --with-solutions",
+        "bootstrap.sft_overrides=[optim.num_steps=8, eval.interval=0, data.eval_size=16]",
+    ]
+    cache = tmp_path / "cache"
+    variant = tmp_path / "variant.yaml"
+    variant.write_text("loss:\n  aggregation: sequence\n")
+    run_script("bench/learning_cpu.py", "--seeds", "2", "--cache-dir", str(cache), "--out", str(tmp_path / "a"),
+               *set_flags(tiny))
+    run_script("bench/learning_cpu.py", "--seeds", "2", "--cache-dir", str(cache), "--out", str(tmp_path / "b"),
+               "--overlay", str(variant), *set_flags(tiny))
+
+    first, second = (json.loads((tmp_path / out / "learning_cpu.json").read_text()) for out in ("a", "b"))
+    assert [r["seed"] for r in first["seeds"]] == [0, 1]
+    datasets = [countdown_task.read_tasks(Path(r["sft_model"]).parent / "countdown").to_pylist() for r in first["seeds"]]
+    assert datasets[0] != datasets[1], "each seed must generate its own dataset"
+    for before, after in zip(first["seeds"], second["seeds"]):
+        assert not before["stages"]["cached"] and after["stages"]["cached"]
+        assert after["sft_model"] == before["sft_model"] and after["before"] == before["before"]
+        assert before["held_out_questions"] == 48
+        assert before["gain_t1"] == pytest.approx(before["after"]["success_t1"] - before["before"]["success_t1"], abs=1e-4)
+    assert second["overlay"] == str(variant)
+    table = (tmp_path / "a" / "learning_cpu.md").read_text()
+    assert "| mean |" in table and "| min |" in table and "| max |" in table and "standard error" in table
+    assert (tmp_path / "a" / "curves.png").stat().st_size > 0
