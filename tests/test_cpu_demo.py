@@ -26,7 +26,7 @@ def set_flags(overrides: list[str]) -> list[str]:
 
 @pytest.mark.slow
 def test_shortened_demo_learns_and_its_checkpoint_evaluates_greedily(tmp_path):
-    """The demo command on a 2-number task with shorter SFT and GRPO phases (~105 s of CPU time; 6.5 min wall on the loaded 2-core machine)."""
+    """The demo command on a 2-number task with shorter SFT and GRPO phases (3.3 min wall on the shared 2-core machine at load ~4, with dynamic sampling on)."""
     overrides = [
         f"task.data_dir={tmp_path / 'countdown'}", f"model.dir={tmp_path / 'sft-model'}",
         f"bootstrap.data_dir={tmp_path / 'countdown'}", f"bootstrap.model_dir={tmp_path / 'sft-model'}",
