@@ -204,7 +204,7 @@ PROSE_PUNCTUATION = frozenset(".,:;?#'\"\u2019")  # '#': "#### 18", GSM8K's own 
 ANSWER_TOKEN = re.compile(
     rf"\s*({NUMBER}|\*\*|[-+*/^(){{}}%]|\\frac|[A-Za-z]+|[{re.escape(''.join(PROSE_PUNCTUATION))}])", re.ASCII
 )
-INTEGER_LITERAL = re.compile(r"[\d, ]+")
+INTEGER_LITERAL = re.compile(r"\d[\d, ]*")  # starts with a digit: "," or " " alone is no number
 # Words that change the value of the number next to them, or say it is a bound or one of several.
 VALUE_WORDS = frozenset(
     "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
