@@ -11,12 +11,12 @@ Not counted: the CUDA context and allocator fragmentation (typically 0.5-1.5 GB 
 """
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 import yaml
 
+from bench.report import emit_json
 from qwen2_model import ModelConfig, Transformer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -124,9 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     plans = {path.name: plan(QWEN25_3B, yaml.safe_load(path.read_text())) for path in args.configs}
     print_table(plans)
-    print(json.dumps(plans, indent=2))
-    if args.json_out:
-        args.json_out.write_text(json.dumps(plans, indent=2) + "\n")
+    emit_json(plans, args.json_out)
     return plans
 
 

@@ -15,7 +15,6 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import json
 import statistics
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 
 import generation
+from bench.report import emit_json
 from generation import generate
 from qwen2_model import KVCache, ModelConfig, Transformer, init_weights
 
@@ -383,9 +383,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     report = profile(args) if args.profile else measure(args)
     (print_profile if args.profile else print_table)(report)
-    print(json.dumps(report, indent=2))
-    if args.json_out:
-        args.json_out.write_text(json.dumps(report, indent=2) + "\n")
+    emit_json(report, args.json_out)
     return report
 
 

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from bench.report import emit_json
+
 # Before transformers/TRL are imported anywhere in the worker: nothing may reach the network.
 OFFLINE_ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                        "WANDB_DISABLED": "true", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
@@ -293,9 +295,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         sys.exit(INSTALL_HINT)
     report = measure(args)
     print_table(report)
-    print(json.dumps(report, indent=2))
-    if args.json_out:
-        args.json_out.write_text(json.dumps(report, indent=2) + "\n")
+    emit_json(report, args.json_out)
     return report
 
 

@@ -11,7 +11,6 @@ checks that both produced the same loss and gradients.
 """
 
 import argparse
-import json
 import resource
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from bench.report import emit_json
 from bench.rollout import SHAPES
 from logprobs import token_log_probs
 from qwen2_model import ModelConfig, Transformer, init_weights
@@ -184,9 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
         return run_variant(args)
     report = measure(args)
     print_table(report)
-    print(json.dumps(report, indent=2))
-    if args.json_out:
-        args.json_out.write_text(json.dumps(report, indent=2) + "\n")
+    emit_json(report, args.json_out)
     return report
 
 
