@@ -1,7 +1,8 @@
 """A whole GRPO step (rollout + update), ours vs TRL's GRPOTrainer, at equal settings.
 
 Both sides get the same tiny Qwen2 model directory (tiny_model.py, the CPU demo's base shape, random
-weights), the same CountDown questions in the same order, the same reward function (countdown_task),
+weights), the same CountDown questions in the same order, the same reward function (countdown_task's,
+plus a tiny text-checksum term so that random weights' groups have a spread: see bench_reward),
 group size, batch, max_gen_len, learning rate, micro-batch and loss: token-level (TRL's "dapo"), no KL
 (beta 0), one optimizer step per rollout, group-std scaling, constant learning rate, clip norm 1.
 Each side lives in its own worker process (its peak memory is its own), set up once and warmed up
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from argparse import Namespace
 from pathlib import Path
 
@@ -40,6 +42,20 @@ MODEL_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, 
 QUESTIONS = dict(min_numbers=2, max_numbers=3, min_number=1, max_number=20, min_target=1, max_target=100,
                  expressions_per_draw=20, with_solutions=False)
 SIDES = ("ours", "TRL")
+
+
+def bench_reward(response: str, nums: list[int], target: int) -> float:
+    """CountDown's reward plus a tiny term from the text's checksum, the same on both sides.
+
+    Random weights score 0 on every answer, so every group's rewards would be equal: our update then
+    skips its forward and backward (the gradient would be exactly 0) while TRL's still runs them. The
+    term gives every group a spread, so both sides do the whole update.
+    """
+    import countdown_task
+
+    return countdown_task.reward_function(response, nums, target)["reward"] + zlib.crc32(response.encode()) % 1000 / 1e5
+
+
 INSTALL_HINT = "TRL is missing: it is in the bench dependency group. Run\n  uv run --group bench python -m bench.step_vs_trl"
 
 
@@ -117,6 +133,10 @@ def run_ours(workdir: Path, args, reports) -> None:
     from tokenizer import Tokenizer
     from train import make_batch
 
+    def reward_for_item(response: str, item: dict, end_token: str | None) -> dict:
+        text = response[: -len(end_token)] if end_token and response.endswith(end_token) else response
+        return {"reward": bench_reward(text, item["nums"], item["target"]), "reward_info": {}}
+
     device, dtype = device_and_dtype(args)
     model = Transformer.from_pretrained(workdir / "model", device=device, dtype=dtype)
     tokenizer = Tokenizer(workdir / "model")
@@ -132,11 +152,12 @@ def run_ours(workdir: Path, args, reports) -> None:
         clock.begin_step()
         batch = make_batch(dataset, range(step * args.questions, (step + 1) * args.questions), max_prompt_len=10**6)
         model.eval()
-        episodes = clock.time_rollout(lambda: rollout(model, tokenizer, batch, countdown_task.reward_for_item,
-                                                      sampling, generator))
+        episodes = clock.time_rollout(lambda: rollout(model, tokenizer, batch, reward_for_item, sampling, generator))
         advantages = compute_advantages(episodes, loss)
-        update_policy(model, optimizer_step, episodes, advantages, batch_counts(episodes, advantages), loss, optim,
-                      args.max_gen_len, tokenizer.pad_token_id)
+        totals = update_policy(model, optimizer_step, episodes, advantages, batch_counts(episodes, advantages), loss,
+                               optim, args.max_gen_len, tokenizer.pad_token_id)
+        if not totals:
+            sys.exit("our update was skipped (no reward spread), so this step would not be comparable with TRL's")
         clock.end_step()
 
 
@@ -180,7 +201,7 @@ def run_trl(workdir: Path, args, reports) -> None:
             clock.end_step()
 
     def countdown_reward(completions, nums, target, **kwargs) -> list[float]:
-        return [countdown_task.reward_function(text, n, t)["reward"] for text, n, t in zip(completions, nums, target)]
+        return [bench_reward(text, n, t) for text, n, t in zip(completions, nums, target)]
 
     model = AutoModelForCausalLM.from_pretrained(workdir / "model", dtype=dtype)
     trainer = Timed(

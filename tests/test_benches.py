@@ -73,6 +73,17 @@ def test_step_bench_worker_reports_each_step_when_told(tmp_path):
         assert step["rollout_wall"] > 0 and step["update_wall"] > 0 and step["peak_memory_bytes"] > 0
 
 
+def test_step_bench_reward_is_countdowns_plus_a_spread_for_random_text():
+    """Random weights' answers all score 0 on CountDown; the bench's term must still separate them."""
+    from bench import step_vs_trl
+
+    answers = ["7 +", "(1 -", "<answer> 3 </answer>", "think 12", "", "9 9 9", "</think>", "5 / 2"]
+    rewards = [step_vs_trl.bench_reward(text, [1, 2], 3) for text in answers]
+    assert len(set(rewards)) > 1 and all(0 <= reward < 0.01 for reward in rewards)
+    solved = " 1 + 2 = 3 </think>\n<answer> 1 + 2 </answer>"
+    assert 1.1 <= step_vs_trl.bench_reward(solved, [1, 2], 3) < 1.11
+
+
 def test_step_bench_without_trl_says_how_to_get_it():
     blocked = "import sys, runpy; sys.modules['trl'] = None; runpy.run_module('bench.step_vs_trl', run_name='__main__')"
     completed = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, cwd=REPO_ROOT)
