@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Every GPU benchmark in one command, in bf16, compiled decode off and on; < 8 min on an H100-class GPU.
+# Every GPU benchmark in one command, in bf16, compiled decode off and on; <= 8 min (timeouts) on a GPU.
 # Reports (tables + JSON) go to $OUT if set, else bench/results-gpu/.
 #
 #   bash bench/gpu.sh                      # random weights of the real Qwen2.5-0.5B shape
 #   MODEL=path/to/Qwen2.5-3B-Instruct bash bench/gpu.sh
 #   DRY_RUN=1 bash bench/gpu.sh            # the same commands on the CPU at toy sizes: checks the wiring
 #
-# Time budget (timeouts): profile 90 s, rollout 180 s, update 60 s, step vs TRL 2 x 75 s. A benchmark that
-# fails or times out is reported and the next one still runs.
+# Time budget (timeouts, 8 min in all): profile 90 s, rollout 165 s, update 45 s, update host reads 30 s, step vs
+# TRL 2 x 75 s. A benchmark that fails or times out is reported and the next one still runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/results-gpu}"
@@ -23,6 +23,7 @@ if [[ "${DRY_RUN:-0}" == 1 ]]; then
   ROLLOUT=(--questions 2 --answers 4 --prompt-len 12 --min-gen-len 4 --max-gen-len 16)
   PROFILE=("${ROLLOUT[@]}")
   UPDATE=(--model tiny --seq-len 64 --prompt-len 16 --chunk-sizes 32)
+  HOST_READS=(--model tiny --seq-len 64 --prompt-len 16 --batch-size 8 --episodes 32)
   STEP=(--questions 2 --answers 4 --max-gen-len 8 --micro-batch-size 4 --rounds 1)
   echo "dry run on the CPU at toy sizes" | tee "$OUT/gpu.txt"
 else
@@ -31,6 +32,7 @@ else
   ROLLOUT=(--questions 16 --answers 8 --min-gen-len 32 --max-gen-len 384)
   PROFILE=(--questions 16 --answers 8 --min-gen-len 32 --max-gen-len 256)  # shorter: the profiler's events cost time
   UPDATE=(--model qwen2.5-0.5b --chunk-sizes 512 256)  # the training micro-batch, 2 x 1280 tokens
+  HOST_READS=(--model qwen2.5-0.5b --seq-len 512 --prompt-len 128 --batch-size 8 --episodes 64)  # 8 micro-batches
   STEP=(--questions 16 --answers 8 --max-gen-len 128 --micro-batch-size 64 --rounds 3)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 fi
@@ -42,12 +44,16 @@ timeout $((90 * SCALE)) uv run python -m bench.rollout --model "$MODEL" "${DEVIC
   --json-out "$OUT/profile.json" 2>&1 | tee "$OUT/profile.txt" || failed profile $?
 
 # Our engine (eager and compiled decode) vs the GRPO:Zero-style engine vs transformers, 3 interleaved rounds.
-timeout $((180 * SCALE)) uv run python -m bench.rollout --model "$MODEL" "${DEVICE[@]}" "${ROLLOUT[@]}" --compile \
+timeout $((165 * SCALE)) uv run python -m bench.rollout --model "$MODEL" "${DEVICE[@]}" "${ROLLOUT[@]}" --compile \
   --json-out "$OUT/rollout.json" 2>&1 | tee "$OUT/rollout.txt" || failed rollout $?
 
 # One update step: chunked log-probs vs full logits.
-timeout $((60 * SCALE)) uv run python -m bench.update "${DEVICE[@]}" "${UPDATE[@]}" \
+timeout $((45 * SCALE)) uv run python -m bench.update "${DEVICE[@]}" "${UPDATE[@]}" \
   --json-out "$OUT/update.json" 2>&1 | tee "$OUT/update.txt" || failed update $?
+
+# grpo.update_policy with its sums read once per step (now) vs once per micro-batch (before).
+timeout $((30 * SCALE)) uv run python -m bench.update --host-reads "${DEVICE[@]}" "${HOST_READS[@]}" \
+  --json-out "$OUT/update_host_reads.json" 2>&1 | tee "$OUT/update_host_reads.txt" || failed update_host_reads $?
 
 # A whole GRPO step vs TRL's GRPOTrainer, our decode eager and compiled.
 for compile in "" --compile; do

@@ -8,10 +8,19 @@ checks that both produced the same loss and gradients.
 
     uv run python -m bench.update
     uv run python -m bench.update --model qwen2.5-0.5b --device cuda --dtype bfloat16
+
+--host-reads times grpo.update_policy itself on GRPO-shaped episodes (random tokens, groups of 8 with a
+reward spread), in interleaved rounds, as shipped (the step's sums stay on the device and are read
+once) and with one host read per micro-batch, as it was before: a forward hook reads a scalar of
+each micro-batch's output, the wait that `loss.item()` per micro-batch used to cause. On a CPU a read
+costs nothing (there is no queue to drain); on a GPU it stalls the host until the device catches up.
+
+    uv run python -m bench.update --host-reads --model tiny
 """
 
 import argparse
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -22,7 +31,12 @@ import torch
 
 from bench.report import emit_json
 from bench.rollout import SHAPES
+from config import LossConfig, OptimConfig
+from data_types import Episode
+from distributed import OptimizerStep
+from grpo import batch_counts, compute_advantages, update_policy
 from logprobs import token_log_probs
+from optimizer import new_adamw
 from qwen2_model import ModelConfig, Transformer, init_weights
 
 MODEL_SHAPES = SHAPES | {
@@ -129,6 +143,81 @@ def measure(args) -> dict:
     )
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def grpo_episodes(args, vocab_size: int) -> list[Episode]:
+    """Random-token episodes in groups of 8 whose rewards alternate 0/1, so every group has a spread."""
+    generator = torch.Generator().manual_seed(args.seed)
+
+    def random_ids(length: int) -> list[int]:
+        return torch.randint(1, vocab_size, (length,), generator=generator).tolist()
+
+    return [Episode(question_index=index // 8, prompt="", prompt_token_ids=random_ids(args.prompt_len),
+                    generated_token_ids=random_ids(args.seq_len - args.prompt_len), text="", is_finished=True,
+                    reward=float(index % 2)) for index in range(args.episodes)]
+
+
+def read_a_scalar(module, inputs, output) -> None:
+    """A forward hook that waits for the device, as loss.item() did. (A hook's return value would
+    replace the output, so it returns nothing.)"""
+    output[0].sum().item()
+
+
+def timed_update(model, episodes: list[Episode], args, read_per_micro_batch: bool) -> float:
+    """Seconds of one update_policy call; optionally with a host read after each micro-batch's forward."""
+    device = next(model.parameters()).device
+    loss, optim = LossConfig(), OptimConfig(learning_rate=1e-6, micro_batch_size=args.batch_size)
+    advantages = compute_advantages(episodes, loss)
+    optimizer_step = OptimizerStep(model, new_adamw(model.parameters(), optim), optim.max_grad_norm)
+    read = model.register_forward_hook(read_a_scalar) if read_per_micro_batch else None
+    synchronize(device)
+    start = time.perf_counter()
+    update_policy(model, optimizer_step, episodes, advantages, batch_counts(episodes, advantages), loss, optim,
+                  args.seq_len - args.prompt_len, pad_token_id=0)
+    synchronize(device)
+    if read is not None:
+        read.remove()
+    return time.perf_counter() - start
+
+
+HOST_READ_VARIANTS = {"read once per step (now)": False, "read per micro-batch (before)": True}
+
+
+def measure_host_reads(args) -> dict:
+    """update_policy's tokens/s both ways, interleaved rounds after one warm-up each; medians."""
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = Transformer(ModelConfig(**MODEL_SHAPES[args.model]))
+    init_weights(model, seed=args.seed)
+    model = model.to(device=device, dtype=getattr(torch, args.dtype))
+    episodes = grpo_episodes(args, model.config.vocab_size)
+    tokens = args.episodes * args.seq_len
+    seconds = {name: [] for name in HOST_READ_VARIANTS}
+    for round_number in range(args.rounds + 1):
+        for name, read in HOST_READ_VARIANTS.items():
+            elapsed = timed_update(model, episodes, args, read)
+            if round_number:  # round 0 is the warm-up
+                seconds[name].append(elapsed)
+    variants = {name: dict(seconds=statistics.median(times), tokens_per_second=tokens / statistics.median(times),
+                           rounds=times) for name, times in seconds.items()}
+    return dict(model=args.model, device=args.device, dtype=args.dtype, episodes=args.episodes,
+                seq_len=args.seq_len, micro_batch_size=args.batch_size, variants=variants)
+
+
+def print_host_reads(report: dict) -> None:
+    print(f"grpo.update_policy, model {report['model']} on {report['device']} ({report['dtype']}): "
+          f"{report['episodes']} episodes x {report['seq_len']} tokens, micro-batch {report['micro_batch_size']}; "
+          "median of the rounds")
+    print("| variant | seconds | tokens/s | rounds (s) |\n|---|---|---|---|")
+    for name, result in report["variants"].items():
+        rounds = ", ".join(f"{value:.3f}" for value in result["rounds"])
+        print(f"| {name} | {result['seconds']:.3f} | {result['tokens_per_second']:.0f} | {rounds} |")
+
+
 def sys_args(args) -> list[str]:
     """The shared settings, forwarded to the per-variant subprocesses."""
     return [
@@ -172,6 +261,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--run-chunk-size", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--json-out", type=Path, help="also write the JSON report here")
+    parser.add_argument("--host-reads", action="store_true",
+                        help="time grpo.update_policy with its sums read once per step vs once per micro-batch")
+    parser.add_argument("--episodes", type=int, default=32, help="--host-reads: episodes per update")
+    parser.add_argument("--rounds", type=int, default=3, help="--host-reads: timed rounds after the warm-up")
     args = parser.parse_args(argv)
     if not 1 <= args.prompt_len < args.seq_len:
         parser.error(f"--prompt-len {args.prompt_len} must be in [1, --seq-len) so some positions carry loss")
@@ -182,6 +275,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.result:
         return run_variant(args)
+    if args.host_reads:
+        report = measure_host_reads(args)
+        print_host_reads(report)
+        emit_json(report, args.json_out)
+        return report
     report = measure(args)
     print_table(report)
     emit_json(report, args.json_out)

@@ -120,6 +120,29 @@ def test_update_bench_gets_equal_loss_and_gradients(tmp_path):
     assert "| chunk 5 |" in stdout
 
 
+def test_update_bench_times_update_policy_with_one_host_read_per_micro_batch_as_before(tmp_path, monkeypatch):
+    from bench import update
+
+    reads = []
+    monkeypatch.setattr(update, "read_a_scalar", lambda module, inputs, output: reads.append(output[0].sum().item()))
+    args = update.parse_args(["--host-reads", "--model", "tiny", "--device", "cpu", "--seq-len", "12",
+                              "--prompt-len", "4", "--batch-size", "4", "--episodes", "16"])
+    model = update.Transformer(update.ModelConfig(**update.MODEL_SHAPES["tiny"]))
+    episodes = update.grpo_episodes(args, model.config.vocab_size)
+    assert update.timed_update(model, episodes, args, read_per_micro_batch=False) > 0 and not reads
+    update.timed_update(model, episodes, args, read_per_micro_batch=True)
+    assert len(reads) == 16 // 4  # one read per micro-batch, and the hook is gone afterwards
+    update.timed_update(model, episodes, args, read_per_micro_batch=False)
+    assert len(reads) == 4
+
+    report, stdout = run_bench("update", tmp_path, "--host-reads", "--model", "tiny", "--device", "cpu",
+                               "--seq-len", "12", "--prompt-len", "4", "--batch-size", "4", "--episodes", "16",
+                               "--rounds", "1")
+    assert set(report["variants"]) == set(update.HOST_READ_VARIANTS)
+    assert all(variant["tokens_per_second"] > 0 for variant in report["variants"].values())
+    assert "| read per micro-batch (before) |" in stdout
+
+
 def test_memory_plan_matches_hand_arithmetic(capsys):
     report = memory_plan.main([])
     assert "| **peak (device)** |" in capsys.readouterr().out
