@@ -93,7 +93,6 @@ def test_step_bench_without_trl_says_how_to_get_it():
 
 @pytest.mark.slow
 def test_step_bench_runs_both_sides(tmp_path):
-    pytest.importorskip("trl", reason="TRL is in the bench dependency group: uv run --group bench pytest ...")
     report, stdout = run_bench(
         "step_vs_trl", tmp_path, "--questions", "2", "--answers", "2", "--max-gen-len", "4", "--micro-batch-size", "2",
         "--rounds", "1", "--device", "cpu",
