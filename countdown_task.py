@@ -11,6 +11,7 @@ Generate a dataset in the layout of the Hub dataset Jiayi-Pan/Countdown-Tasks-3t
 
 import argparse
 import itertools
+import logging
 import operator
 import random
 import re
@@ -26,6 +27,8 @@ import torch
 from tqdm import tqdm
 
 from config import DataError
+
+logger = logging.getLogger("countdown")
 
 SYSTEM_MESSAGE = (
     "You are a helpful assistant. You first think about the reasoning process "
@@ -113,8 +116,14 @@ def checked_table(file: Path) -> pa.Table:
     return table
 
 
+def task_key(numbers: list[int], target: int) -> tuple[tuple[int, ...], int]:
+    """What makes two CountDown rows the same question: the multiset of numbers and the target."""
+    return tuple(sorted(numbers)), target
+
+
 class CountdownDataset(torch.utils.data.Dataset):
-    """CountDown tasks; train = all rows but the last test_size, test = the last test_size rows."""
+    """CountDown tasks; test = the last test_size rows, train = the rows before them minus any that repeat
+    a test question."""
 
     def __init__(self, data_dir: str | Path, tokenizer, split: str = "train", test_size: int = 128):
         table = read_tasks(data_dir)
@@ -130,7 +139,19 @@ class CountdownDataset(torch.utils.data.Dataset):
         self.columns = {
             name: rows.column(name).to_pylist() for name in ("nums", "target", "solution") if name in rows.column_names
         }
+        if split == "train":
+            self.drop_held_out_tasks(table.slice(first_test_row))
         self.tokenizer = tokenizer
+
+    def drop_held_out_tasks(self, test_rows: pa.Table) -> None:
+        """Remove training rows that ask a held-out question again (same numbers in any order, same target).
+        Small number ranges repeat tasks often (the CPU demo's 2-number tasks: every held-out one is in the
+        training rows), and a repeated task measures memory, not skill."""
+        held_out = set(map(task_key, test_rows.column("nums").to_pylist(), test_rows.column("target").to_pylist()))
+        keep = [key not in held_out for key in map(task_key, self.columns["nums"], self.columns["target"])]
+        self.columns = {name: [value for value, kept in zip(values, keep) if kept] for name, values in self.columns.items()}
+        if keep.count(False):
+            logger.info("left out %d training rows that repeat a held-out question", keep.count(False))
 
     def __len__(self) -> int:
         return len(self.columns["target"])

@@ -1,6 +1,7 @@
 """CountDown task: the exact reward (rule by rule), the parser, the solver, the generator and the dataset."""
 
 import itertools
+import logging
 import random
 import string
 from collections import Counter
@@ -418,6 +419,19 @@ def test_dataset_reads_parquet_files_in_sorted_order(tmp_path, tokenizer):
     dataset = CountdownDataset(tmp_path, tokenizer, split="train", test_size=1)
     assert len(dataset) == 1 and dataset[0]["target"] == 1 and "solution" not in dataset[0]
     assert CountdownDataset(tmp_path, tokenizer, split="test", test_size=1)[0]["target"] == 2
+
+
+def test_training_rows_never_repeat_a_held_out_question(tmp_path, tokenizer, caplog):
+    """Same numbers in any order and the same target is the same question: it stays in the test split only."""
+    (tmp_path / "data").mkdir()
+    rows = {"nums": [[1, 2, 3], [3, 1, 2], [1, 2, 3], [2, 3, 4], [1, 2, 2], [3, 2, 1]], "target": [6, 6, 7, 9, 6, 6]}
+    pq.write_table(pa.table(rows), tmp_path / "data" / "train-00000-of-00001.parquet")
+    with caplog.at_level(logging.INFO, logger="countdown"):
+        train = CountdownDataset(tmp_path, tokenizer, split="train", test_size=1)
+    assert [(train[i]["nums"], train[i]["target"]) for i in range(len(train))] == [([1, 2, 3], 7), ([2, 3, 4], 9), ([1, 2, 2], 6)]
+    assert "left out 2 training rows" in caplog.text
+    test = CountdownDataset(tmp_path, tokenizer, split="test", test_size=1)
+    assert len(test) == 1 and test[0]["nums"] == [3, 2, 1]
 
 
 @pytest.mark.parametrize("make_dir", [lambda path: None, lambda path: (path / "data").mkdir(parents=True)])
