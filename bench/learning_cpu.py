@@ -14,8 +14,9 @@ questions, one answer each, at T=1 and greedy), and writes OUT/learning_cpu.json
 --cache-dir keeps each seed's dataset, base model, SFT model and its held-out scores, keyed by the
 seed and every setting they depend on, so a later invocation (say, with another --overlay) reruns
 only GRPO. Without --cache-dir they go under OUT, which must be new or empty.
---jobs J runs J seeds at once, each in its own single-threaded process: on a machine with J idle
-cores every seed takes the time the demo alone takes (`--seeds 3 --jobs 2` on 2 cores: 2 rounds).
+--jobs J runs J seeds at once, each in its own single-threaded process (cpu_threads=1 for SFT and GRPO);
+with --jobs 1 (the default) every stage uses the config's cpu_threads, as the demo command does, so the
+times are the demo's own.
 """
 
 import argparse
@@ -72,6 +73,8 @@ def grpo_values(args: argparse.Namespace) -> dict:
         values = config_lib.merge(values, config_lib.read_yaml(args.overlay))
     for assignment in args.set:
         config_lib.apply_override(values, assignment)
+    if args.jobs > 1:  # J processes on J cores: more threads each would only fight over them
+        config_lib.apply_override(values, "cpu_threads=1")
     return values
 
 
@@ -82,6 +85,7 @@ def sft_config_for(config: train.TrainConfig, seed: int, stage_dir: Path) -> SFT
                  "progress=false"]
     sft_config = config_lib.load(SFTConfig, config.bootstrap.sft_config, overrides)
     sft_config.task = config.task  # as bootstrap.py: the warm-up learns the task GRPO trains on
+    sft_config.cpu_threads = config.cpu_threads  # --jobs: one thread per process for both stages
     return sft_config
 
 
@@ -91,6 +95,7 @@ def cache_key(config: train.TrainConfig, seed: int) -> str:
     settings = {"seed": seed, "dataset_args": config.bootstrap.dataset_args, "task": config_lib.to_dict(config.task),
                 "base_model_args": config.bootstrap.base_model_args, "sft": sft_values}
     settings["task"].pop("data_dir")
+    settings["sft"].pop("cpu_threads")  # the threads change the time, not the model
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
