@@ -150,8 +150,8 @@ class CountdownDataset(torch.utils.data.Dataset):
         held_out = set(map(task_key, test_rows.column("nums").to_pylist(), test_rows.column("target").to_pylist()))
         keep = [key not in held_out for key in map(task_key, self.columns["nums"], self.columns["target"])]
         self.columns = {name: [value for value, kept in zip(values, keep) if kept] for name, values in self.columns.items()}
-        if keep.count(False):
-            logger.info("left out %d training rows that repeat a held-out question", keep.count(False))
+        if num_left_out := keep.count(False):
+            logger.info("left out %d training rows that repeat a held-out question", num_left_out)
 
     def __len__(self) -> int:
         return len(self.columns["target"])

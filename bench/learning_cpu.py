@@ -15,7 +15,7 @@ questions, one answer each, at T=1 and greedy), and writes OUT/learning_cpu.json
 seed and every setting they depend on, so a later invocation (say, with another --overlay) reruns
 only GRPO. Without --cache-dir they go under OUT, which must be new or empty.
 --jobs J runs J seeds at once, each in its own single-threaded process (cpu_threads=1 for SFT and GRPO);
-with --jobs 1 (the default) every stage uses the config's cpu_threads, as the demo command does, so the
+with --jobs 1 (the default) each stage uses its own config's cpu_threads, as the demo command does, so the
 times are the demo's own.
 """
 
@@ -73,8 +73,10 @@ def grpo_values(args: argparse.Namespace) -> dict:
         values = config_lib.merge(values, config_lib.read_yaml(args.overlay))
     for assignment in args.set:
         config_lib.apply_override(values, assignment)
-    if args.jobs > 1:  # J processes on J cores: more threads each would only fight over them
+    if args.jobs > 1:  # J processes on J cores: more threads each, in either stage, would only fight over them
         config_lib.apply_override(values, "cpu_threads=1")
+        bootstrap = values.setdefault("bootstrap", {})
+        bootstrap["sft_overrides"] = [*(bootstrap.get("sft_overrides") or []), "cpu_threads=1"]
     return values
 
 
@@ -85,7 +87,6 @@ def sft_config_for(config: train.TrainConfig, seed: int, stage_dir: Path) -> SFT
                  "progress=false"]
     sft_config = config_lib.load(SFTConfig, config.bootstrap.sft_config, overrides)
     sft_config.task = config.task  # as bootstrap.py: the warm-up learns the task GRPO trains on
-    sft_config.cpu_threads = config.cpu_threads  # --jobs: one thread per process for both stages
     return sft_config
 
 
