@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from generation import Completion, decode_step, generate, keep_rows_in_place, sample
+import generation
+from generation import Completion, decode_step, generate, keep_rows_in_place, sample, vocab_projection
 from qwen2_model import Transformer, init_weights
 
 FLAG_COMBINATIONS = [
@@ -244,8 +245,28 @@ def naive_sampled(model, prompts, num_samples, max_gen_len, eos_token_id, temper
     return [Completion(tokens, finished=tokens[-1] == eos_token_id) for tokens in generated]
 
 
+@pytest.fixture(params=[False, True], ids=["lm_head", "packed"])
+def packed_projection(request, monkeypatch, model) -> bool:
+    """Decode through the model's lm_head, or through the oneDNN-packed copy of its weight that large
+    models get on a CPU (forced here for the tiny model by lowering the size threshold)."""
+    if request.param:
+        if not torch.backends.mkldnn.is_available():
+            pytest.skip("this torch build has no oneDNN, so decoding never packs the projection")
+        monkeypatch.setattr(generation, "PACKED_PROJECTION_MIN_WEIGHTS", 0)
+    assert (vocab_projection(model) is not None) == request.param
+    return request.param
+
+
+def test_packed_projection_gives_the_lm_head_logits(model, monkeypatch):
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    monkeypatch.setattr(generation, "PACKED_PROJECTION_MIN_WEIGHTS", 0)
+    hidden = torch.randn(5, 3, model.config.hidden_size, generator=torch.Generator().manual_seed(0))[:, -1]
+    torch.testing.assert_close(vocab_projection(model)(hidden), model.lm_head(hidden), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("flags", FLAG_COMBINATIONS, ids=FLAG_IDS)
-def test_sampled_tokens_for_a_seed_match_the_first_principles_sampler(model, prompts, flags):
+def test_sampled_tokens_for_a_seed_match_the_first_principles_sampler(model, prompts, flags, packed_projection):
     """Pins what a seed gives (the RNG draws and the token each one picks), so speed-ups cannot change it."""
     temperature, seed, num_samples, max_gen_len = 0.7, 11, 2, 20
     # Rows finish inside different eviction windows; the eos is a token sampling actually meets.
