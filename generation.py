@@ -79,7 +79,7 @@ def vocab_projection(model: Transformer) -> Callable[[torch.Tensor], torch.Tenso
     """A oneDNN-packed copy of the lm_head weight for eager fp32 decoding on a CPU, or None (use lm_head).
 
     Packed per generate call, since training changes the weight; the copy costs the weight's size in
-    memory (0.6 GB for Qwen2.5-0.5B) and ~0.4 s, against ~5 s saved in a 127-step rollout of that model.
+    memory (0.6 GB for Qwen2.5-0.5B) and ~0.4 s, against 5-8 s saved in a 127-step rollout of that model.
     """
     weight = model.lm_head.weight
     if (weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.numel() < PACKED_PROJECTION_MIN_WEIGHTS
