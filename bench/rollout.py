@@ -312,7 +312,7 @@ def event_part(event, lm_head_shape: list[int]) -> str:
     if labelled:
         return FUNCTION_PARTS[labelled[-1]]  # the outermost: all of prefill is prefill
     for e in ancestors:
-        if e.name == "aten::linear" and lm_head_shape in e.input_shapes or e.name in PACKED_LM_HEAD_OPS:
+        if (e.name == "aten::linear" and lm_head_shape in e.input_shapes) or e.name in PACKED_LM_HEAD_OPS:
             return LM_HEAD
         if e.name in OP_PARTS:
             return OP_PARTS[e.name]

@@ -245,22 +245,24 @@ def naive_sampled(model, prompts, num_samples, max_gen_len, eos_token_id, temper
     return [Completion(tokens, finished=tokens[-1] == eos_token_id) for tokens in generated]
 
 
+@pytest.fixture
+def packing_forced(monkeypatch) -> None:
+    """Decode through the oneDNN-packed copy of lm_head's weight that large models get on a CPU, forced
+    here for the tiny model by lowering the size threshold."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN, so decoding never packs the projection")
+    monkeypatch.setattr(generation, "PACKED_PROJECTION_MIN_WEIGHTS", 0)
+
+
 @pytest.fixture(params=[False, True], ids=["lm_head", "packed"])
-def packed_projection(request, monkeypatch, model) -> bool:
-    """Decode through the model's lm_head, or through the oneDNN-packed copy of its weight that large
-    models get on a CPU (forced here for the tiny model by lowering the size threshold)."""
+def packed_projection(request, model) -> bool:
     if request.param:
-        if not torch.backends.mkldnn.is_available():
-            pytest.skip("this torch build has no oneDNN, so decoding never packs the projection")
-        monkeypatch.setattr(generation, "PACKED_PROJECTION_MIN_WEIGHTS", 0)
+        request.getfixturevalue("packing_forced")
     assert (vocab_projection(model) is not None) == request.param
     return request.param
 
 
-def test_packed_projection_gives_the_lm_head_logits(model, monkeypatch):
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("this torch build has no oneDNN")
-    monkeypatch.setattr(generation, "PACKED_PROJECTION_MIN_WEIGHTS", 0)
+def test_packed_projection_gives_the_lm_head_logits(model, packing_forced):
     hidden = torch.randn(5, 3, model.config.hidden_size, generator=torch.Generator().manual_seed(0))[:, -1]
     torch.testing.assert_close(vocab_projection(model)(hidden), model.lm_head(hidden), rtol=1e-5, atol=1e-5)
 
