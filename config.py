@@ -401,12 +401,16 @@ class SFTOptimConfig(AdamWConfig):
     min_learning_rate_ratio: float = 0.1  # cosine decay to learning_rate x this
     warmup_steps: int = 0
     betas: tuple[float, float] = (0.9, 0.95)
+    # End before num_steps at the first evaluation whose success rate (on held-out training questions, not
+    # the test split) reaches this; null: always run num_steps. GRPO then starts every seed equally able.
+    stop_at_success: float | None = None
 
     def validate(self) -> None:
         super().validate()
         at_least(self, "batch_size", 1)
         within(self, "min_learning_rate_ratio", 0, 1)
         at_least(self, "warmup_steps", 0)
+        within(self, "stop_at_success", 0, 1, "(]")
 
 
 @dataclass
@@ -428,6 +432,12 @@ class SFTConfig:
     def validate(self) -> None:
         common_run_keys(self)
         paths(self, "output_dir")
+        if self.optim.stop_at_success is not None:
+            check(bool(self.eval.interval and self.eval.max_questions != 0), "optim.stop_at_success",
+                  "needs evaluations: eval.interval >= 1 and eval.max_questions >= 1 or null", self.optim.stop_at_success)
+            check(not (self.data.train_jsonl or self.data.eval_jsonl), "optim.stop_at_success", "needs held-out "
+                  "questions from the task's training split (never the test split): set data.train_jsonl and "
+                  "data.eval_jsonl to null, or optim.stop_at_success to null", self.optim.stop_at_success)
         if self.optim.batch_size % self.optim.micro_batch_size:
             raise ConfigError(
                 f"optim.batch_size ({self.optim.batch_size}) must be divisible by optim.micro_batch_size "

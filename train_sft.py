@@ -7,6 +7,8 @@ Pairs come from a JSONL file of {"prompt", "response"} lines, or from the task's
 with its reference solutions (CountDown generated with --with-solutions, GSM8K worked solutions).
 The loss is the NLL of response tokens only (eos included, so the model learns to stop), averaged
 over every response token of the optimizer step. The result is a Hugging Face model directory.
+Evaluations score the held-out loss and success on held-out training questions (the test split stays
+unseen); optim.stop_at_success ends the warm-up once that success reaches a target.
 """
 
 import argparse
@@ -139,23 +141,35 @@ def learning_rate(step: int, config: SFTOptimConfig) -> float:
     return config.learning_rate * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def evaluate_sft(model, tokenizer, eval_examples, config: SFTConfig, run_logger, step: int) -> dict:
-    """The held-out loss, then (unless eval.max_questions is 0) the task's own evaluation, as eval/* metrics."""
+def task_eval_set(config: SFTConfig, tokenizer) -> torch.utils.data.Dataset:
+    """The questions whose success SFT reports: those of the held-out pairs when the pairs come from the task's
+    training split (never trained on, and the test split stays unseen until GRPO), else the test split."""
+    if config.data.train_jsonl or config.data.eval_jsonl:
+        return tasks.load_dataset(config.task, tokenizer, "test")
+    train_set = tasks.load_dataset(config.task, tokenizer, "train")
+    return torch.utils.data.Subset(train_set, range(max(0, len(train_set) - config.data.eval_size), len(train_set)))
+
+
+def evaluate_sft(model, tokenizer, eval_examples, eval_set, config: SFTConfig, run_logger, step: int) -> dict:
+    """The held-out loss, then (unless eval.max_questions is 0) success on `eval_set`, as eval/* metrics."""
     metrics = {"eval/loss": held_out_loss(model, eval_examples, config, tokenizer.pad_token_id)}
     if run_logger:  # rank 0 only
         run_logger.scalars(metrics, step)
     logger.info("eval step %d: held-out loss %.4g", step, metrics["eval/loss"])
     if config.eval.max_questions != 0:
-        test_set = tasks.load_dataset(config.task, tokenizer, "test")
-        task_metrics = run_evaluation(model, tokenizer, test_set, tasks.reward_function(config.task),
+        task_metrics = run_evaluation(model, tokenizer, eval_set, tasks.reward_function(config.task),
                                       config.eval.max_gen_len or config.data.max_seq_len, config.eval, config.seed,
                                       run_logger, step, progress=show_progress(config.progress) and distributed.is_main_process())
         metrics.update({f"eval/{key}": value for key, value in task_metrics.items()})
     return metrics
 
 
+def reached_target(metrics: dict, config: SFTOptimConfig) -> bool:
+    return config.stop_at_success is not None and metrics.get("eval/success_rate", 0.0) >= config.stop_at_success
+
+
 def train_sft(config: SFTConfig) -> dict:
-    """Fine-tune config.model.dir into config.output_dir; returns the final evaluation's metrics."""
+    """Fine-tune config.model.dir into config.output_dir; returns the last evaluation's metrics and the steps run."""
     device = set_up_process(config.device, config.cpu_threads, config.seed)
     config.run_name = config.run_name or agreed_run_name("sft-")
     # One process per log directory, so two runs of one name never mix their curves.
@@ -164,6 +178,7 @@ def train_sft(config: SFTConfig) -> dict:
     model, policy = load_policy(config.model, config.model.dir, device, config.distributed.fsdp)
     tokenizer = Tokenizer(config.model.dir)
     train_examples, eval_examples = load_examples(config, tokenizer)
+    eval_set = task_eval_set(config, tokenizer) if config.eval.interval and config.eval.max_questions != 0 else None
     optim = config.optim
     optimizer = new_adamw(model.parameters(), optim)
     optimizer_step = distributed.OptimizerStep(policy, optimizer, optim.max_grad_norm)
@@ -172,10 +187,16 @@ def train_sft(config: SFTConfig) -> dict:
     logger.info("SFT %s on %s: %d train / %d held-out pairs, logs in %s", config.run_name, device,
                 len(train_examples), len(eval_examples), Path(config.logging.log_dir) / config.run_name)
 
-    metrics = evaluate_sft(model, tokenizer, eval_examples, config, run_logger, 0) if config.eval.interval else {}
+    metrics = {} if not config.eval.interval else evaluate_sft(model, tokenizer, eval_examples, eval_set, config,
+                                                               run_logger, 0)
+    steps_run = 0
     show_bar = show_progress(config.progress) and is_main
-    bar = tqdm(range(optim.num_steps), desc="sft", disable=not show_bar)
+    bar = tqdm(range(optim.num_steps), desc="sft", disable=not show_bar or reached_target(metrics, optim))
     for step in bar:
+        if reached_target(metrics, optim):
+            logger.info("held-out success %.3f >= optim.stop_at_success %g after %d steps: stopping",
+                        metrics["eval/success_rate"], optim.stop_at_success, step)
+            break
         start = time.perf_counter()
         policy.train()
         indices = step_indices(step, optim.batch_size, len(train_examples), config.seed)
@@ -196,6 +217,7 @@ def train_sft(config: SFTConfig) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, optim)
         grad_norm = optimizer_step()
+        steps_run = step + 1
         seconds = time.perf_counter() - start
         if is_main:
             run_logger.scalars({"train/loss": total_nll / num_tokens, "train/grad_norm": grad_norm,
@@ -206,7 +228,7 @@ def train_sft(config: SFTConfig) -> dict:
             logger.info("sft step %d/%d | loss %.4f | grad %.3f | lr %.2e | %.0f tok/s", step + 1, optim.num_steps,
                         total_nll / num_tokens, grad_norm, optimizer.param_groups[0]["lr"], num_tokens / seconds)
         if config.eval.interval and ((step + 1) % config.eval.interval == 0 or step + 1 == optim.num_steps):
-            metrics = evaluate_sft(model, tokenizer, eval_examples, config, run_logger, step + 1)
+            metrics = evaluate_sft(model, tokenizer, eval_examples, eval_set, config, run_logger, step + 1)
     savable = distributed.savable_model(model)  # every rank takes part: FSDP gathers the shards
     if is_main:
         path = checkpoint.save(config.output_dir, savable, config.model.dir, config)
@@ -214,7 +236,7 @@ def train_sft(config: SFTConfig) -> dict:
         run_logger.close()
         log_claim.release()
     distributed.barrier()  # no rank goes on (and may read it) before the model is complete
-    return metrics
+    return {**metrics, "steps": steps_run}
 
 
 def main(argv: list[str] | None = None) -> None:

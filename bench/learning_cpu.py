@@ -115,7 +115,7 @@ def build_sft_model(config: train.TrainConfig, seed: int, stage_dir: Path) -> di
           ["--out", str(stage_dir / "base-model"), *shlex.split(config.bootstrap.base_model_args), *seed_arg])
     sft_config = sft_config_for(config, seed, stage_dir)
     sft_config.task.data_dir = str(stage_dir / "countdown")
-    timed(times, "sft", train_sft, sft_config)
+    times["sft_steps"] = timed(times, "sft", train_sft, sft_config)["steps"]  # < num_steps: stop_at_success
     done_file.write_text(json.dumps(times, indent=2) + "\n")
     return {**times, "cached": False}
 
@@ -217,6 +217,7 @@ COLUMNS = [  # (header, how to read it from a seed's result, format)
     ("GRPO greedy", lambda r: 100 * r["after"]["success_greedy"], "{:.1f}"),
     ("gain greedy", lambda r: 100 * r["gain_greedy"], "{:+.1f}"),
     ("format T=1", lambda r: 100 * r["after"]["format_t1"], "{:.1f}"),
+    ("SFT steps", lambda r: r["stages"].get("sft_steps", 0), "{:.0f}"),
     ("data s", lambda r: r["stages"].get("dataset_seconds", 0.0), "{:.0f}"),
     ("SFT s", lambda r: r["stages"].get("sft_seconds", 0.0), "{:.0f}"),
     ("GRPO s", lambda r: r["stages"]["grpo_seconds"], "{:.0f}"),

@@ -95,13 +95,20 @@ def test_bad_training_value_stops_before_any_work(override, message, tmp_path, c
     ("data.max_seq_len=1", "data.max_seq_len: must be >= 2, got 1"),
     ("eval.num_samples=0", "eval.num_samples: must be >= 1, got 0"),
     ("eval.max_questions=-1", "eval.max_questions: must be >= 0, got -1"),
+    ("optim.stop_at_success=0", "optim.stop_at_success: must be in (0, 1], got 0"),
+    ("optim.stop_at_success=1.5", "optim.stop_at_success: must be in (0, 1], got 1.5"),
+    ("eval.interval=0 optim.stop_at_success=0.3", "optim.stop_at_success: needs evaluations: eval.interval >= 1"),
+    ("eval.max_questions=0 optim.stop_at_success=0.3", "optim.stop_at_success: needs evaluations"),
+    ("data.eval_jsonl=pairs.jsonl optim.stop_at_success=0.3", "optim.stop_at_success: needs held-out questions "
+     "from the task's training split (never the test split)"),
     ("output_dir=''", "output_dir: must be a non-empty path"),
     ("seed=-3", "seed: must be >= 0, got -3"),
 ])
 def test_bad_sft_value_stops_before_any_work(override, message, tmp_path, capsys):
     paths = [f"--set=model.dir={tmp_path / 'model'}", f"--set=output_dir={tmp_path / 'out'}",
              f"--set=logging.log_dir={tmp_path / 'logs'}"]
-    err = run_main(train_sft.main, ["--config", "config_cpu_sft.yaml", *paths, "--set", override], capsys)
+    overrides = sum((["--set", assignment] for assignment in override.split(" ")), [])
+    err = run_main(train_sft.main, ["--config", "config_cpu_sft.yaml", *paths, *overrides], capsys)
     assert err.startswith(f"config error: {message}"), err
     assert list(tmp_path.iterdir()) == []
 

@@ -87,3 +87,46 @@ def test_bad_inputs_are_explained(tmp_path, tiny_model_dir, countdown_with_solut
     countdown_task.main(["generate", "--out", str(no_solutions), "--size", "30", "--max-number", "20"])
     with pytest.raises(ValueError, match="--with-solutions"):
         train_sft.train_sft(sft_config(tmp_path, tiny_model_dir, no_solutions))
+
+
+def test_success_is_scored_on_held_out_training_questions_not_the_test_split(tmp_path, tiny_model_dir,
+                                                                             countdown_with_solutions):
+    config = sft_config(tmp_path, tiny_model_dir, countdown_with_solutions)
+    tokenizer = Tokenizer(tiny_model_dir)
+    eval_set = train_sft.task_eval_set(config, tokenizer)
+    _, eval_examples = train_sft.load_examples(config, tokenizer)
+    # The questions of the 16 held-out pairs, in order: never trained on by SFT.
+    assert [eval_set[i]["prompt"] for i in range(len(eval_set))] == [
+        tokenizer.decode(ids[:prompt_length]) for ids, prompt_length in eval_examples]
+    test_set = countdown_task.CountdownDataset(countdown_with_solutions, tokenizer, "test", test_size=8)
+    test_questions = {countdown_task.task_key(test_set[i]["nums"], test_set[i]["target"]) for i in range(len(test_set))}
+    assert not test_questions & {countdown_task.task_key(eval_set[i]["nums"], eval_set[i]["target"])
+                                 for i in range(len(eval_set))}
+    # Pairs from a JSONL file have no task questions of their own: the test split, as before.
+    (tmp_path / "pairs.jsonl").write_text('{"prompt": "1 + 1 =", "response": " 2"}\n' * 20)
+    with_jsonl = sft_config(tmp_path, tiny_model_dir, countdown_with_solutions, f"data.train_jsonl={tmp_path / 'pairs.jsonl'}")
+    assert [item["prompt"] for item in train_sft.task_eval_set(with_jsonl, tokenizer)] == [
+        test_set[i]["prompt"] for i in range(8)]
+
+
+@pytest.mark.parametrize("stop_at_success, expected_steps", [(0.5, 4), (None, 12)])
+def test_stop_at_success_ends_at_the_first_evaluation_that_reaches_it(stop_at_success, expected_steps, tmp_path,
+                                                                      tiny_model_dir, countdown_with_solutions,
+                                                                      monkeypatch):
+    scripted = iter([0.0, 0.2, 0.6, 0.3, 0.7, 0.8, 0.9])  # success at steps 0, 2, 4, ...: the tiny model has none
+    real_run_evaluation, datasets = train_sft.run_evaluation, []
+
+    def run_evaluation(model, tokenizer, dataset, *args, **kwargs):
+        datasets.append(dataset)
+        return {**real_run_evaluation(model, tokenizer, dataset, *args, **kwargs), "success_rate": next(scripted)}
+
+    monkeypatch.setattr(train_sft, "run_evaluation", run_evaluation)
+    config = sft_config(tmp_path, tiny_model_dir, countdown_with_solutions, "eval.interval=2",
+                        f"optim.stop_at_success={'null' if stop_at_success is None else stop_at_success}")
+    metrics = train_sft.train_sft(config)
+    assert metrics["steps"] == expected_steps
+    assert len(datasets) == 1 + expected_steps // 2
+    assert all(isinstance(dataset, torch.utils.data.Subset) for dataset in datasets)
+    events = EventAccumulator(str(tmp_path / "logs" / "sft")).Reload()
+    assert [event.step for event in events.Scalars("train/loss")] == list(range(1, expected_steps + 1))
+    assert (tmp_path / "sft-out" / "model.safetensors").is_file()  # saved where it stopped
