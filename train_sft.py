@@ -191,7 +191,7 @@ def train_sft(config: SFTConfig) -> dict:
                                                                run_logger, 0)
     steps_run = 0
     show_bar = show_progress(config.progress) and is_main
-    bar = tqdm(range(optim.num_steps), desc="sft", disable=not show_bar or reached_target(metrics, optim))
+    bar = tqdm(range(optim.num_steps), desc="sft", disable=not show_bar)
     for step in bar:
         if reached_target(metrics, optim):
             logger.info("held-out success %.3f >= optim.stop_at_success %g after %d steps: stopping",
