@@ -151,16 +151,23 @@ class ModelSetup:
         paths(self, "dir")
 
 
+COUNTDOWN_PROMPT_TEMPLATES = ("reasoning", "question_last")  # countdown_task.USER_TEMPLATES
+
+
 @dataclass
 class TaskConfig:
     name: Literal["countdown", "gsm8k"] = "countdown"
     data_dir: str = "Countdown-Tasks-3to4"
     test_size: int = 128  # countdown: the last rows held out for evaluation
-    prompt_template: str = "reasoning"  # gsm8k: prompts/<name>.txt or a file path
+    # countdown: reasoning (GRPO:Zero's prompt) or question_last (same words); gsm8k: prompts/<name>.txt or a file
+    prompt_template: str = "reasoning"
 
     def validate(self) -> None:
         paths(self, "data_dir", "prompt_template")
         at_least(self, "test_size", 1)  # an empty test split would make every evaluation 0/0
+        if self.name == "countdown":
+            check(self.prompt_template in COUNTDOWN_PROMPT_TEMPLATES, "prompt_template",
+                  f"CountDown's templates are {', '.join(COUNTDOWN_PROMPT_TEMPLATES)}", self.prompt_template)
 
 
 @dataclass

@@ -34,12 +34,16 @@ SYSTEM_MESSAGE = (
     "You are a helpful assistant. You first think about the reasoning process "
     "in your mind and then provide the user with the answer."
 )
-USER_TEMPLATE = (
-    "Using the numbers {numbers}, create an equation that equals {target}. "
+QUESTION = "Using the numbers {numbers}, create an equation that equals {target}."
+INSTRUCTIONS = (
     "You can use basic arithmetic operations (+, -, *, /) and each number can only be used once. "
     "Show your work in <think> </think> tags. "
     "And return the final answer in <answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>."
 )
+# task.prompt_template: GRPO:Zero's user turn (the question, then the instructions), or the same words with
+# the question last, so every prompt starts with the same ~110 tokens; the generator and the update run a
+# start shared by all prompts once (generation.prefill, logprobs.AnswerBatch), and only the question differs.
+USER_TEMPLATES = {"reasoning": f"{QUESTION} {INSTRUCTIONS}", "question_last": f"{INSTRUCTIONS} {QUESTION}"}
 RESPONSE_PREFILL = "Let me solve this step by step.\n<think>"
 
 HUB_DATASET_URL = "https://huggingface.co/datasets/Jiayi-Pan/Countdown-Tasks-3to4"
@@ -57,11 +61,11 @@ EXPRESSION_TOKEN = re.compile(r"[0-9]+|[-+*/()]")
 # ----------------------------------------------------------------------------- prompt
 
 
-def render_prompt(tokenizer, numbers: list[int], target: int) -> str:
+def render_prompt(tokenizer, numbers: list[int], target: int, template: str = "reasoning") -> str:
     """Chat prompt (system + user turn) followed by the response prefill."""
     messages = [
         {"role": "system", "content": SYSTEM_MESSAGE},
-        {"role": "user", "content": USER_TEMPLATE.format(numbers=list(numbers), target=target)},
+        {"role": "user", "content": USER_TEMPLATES[template].format(numbers=list(numbers), target=target)},
     ]
     return tokenizer.render_chat(messages, prefill=RESPONSE_PREFILL)
 
@@ -125,7 +129,8 @@ class CountdownDataset(torch.utils.data.Dataset):
     """CountDown tasks; test = the last test_size rows, train = the rows before them minus any that repeat
     a test question."""
 
-    def __init__(self, data_dir: str | Path, tokenizer, split: str = "train", test_size: int = 128):
+    def __init__(self, data_dir: str | Path, tokenizer, split: str = "train", test_size: int = 128,
+                 prompt_template: str = "reasoning"):
         table = read_tasks(data_dir)
         if split not in ("train", "test"):
             raise ValueError(f"split must be 'train' or 'test', got {split!r}")
@@ -142,6 +147,7 @@ class CountdownDataset(torch.utils.data.Dataset):
         if split == "train":
             self.drop_held_out_tasks(table.slice(first_test_row))
         self.tokenizer = tokenizer
+        self.prompt_template = prompt_template
 
     def drop_held_out_tasks(self, test_rows: pa.Table) -> None:
         """Remove training rows that ask a held-out question again (same numbers in any order, same target).
@@ -159,7 +165,7 @@ class CountdownDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict:
         # Rendering and tokenizing lazily keeps construction fast on the 490k-row Hub dataset.
         item = {name: values[index] for name, values in self.columns.items()}
-        item["prompt"] = render_prompt(self.tokenizer, item["nums"], item["target"])
+        item["prompt"] = render_prompt(self.tokenizer, item["nums"], item["target"], self.prompt_template)
         item["prompt_token_ids"] = self.tokenizer.encode(item["prompt"])
         return item
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from logprobs import shared_prefix_length
 from qwen2_model import KVCache, Transformer
 
 # Reading the finished flags forces a host-device sync; doing it every few steps keeps the device
@@ -96,16 +97,28 @@ def compiled_decode_step():
 
 
 def prefill(model: Transformer, prompts: list[list[int]], max_seq_len: int):
-    """One right-padded forward over all prompts -> (cache, last-token logits [rows, vocab], lengths [rows])."""
+    """One right-padded forward over all prompts -> (cache, last-token logits [rows, vocab], lengths [rows]).
+
+    The prompts' common start (a chat template's system prompt, the task's instructions) runs once and is
+    copied to every row: at 256 CountDown prompts it is most of the prefill's work.
+    """
     device = model.embed_tokens.weight.device
     lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)
-    padded = torch.nn.utils.rnn.pad_sequence(
-        [torch.tensor(prompt, device=device) for prompt in prompts], batch_first=True
-    )
-    positions = torch.arange(padded.shape[1], device=device).expand(len(prompts), -1)
     kv_cache = model.new_kv_cache(len(prompts), max_seq_len)
+    # Each row keeps at least its last token, whose logits are the first sample's.
+    shared = shared_prefix_length(prompts, min(len(prompt) for prompt in prompts) - 1)
+    if shared:
+        first_row = KVCache([buffer[:1] for buffer in kv_cache.keys], [buffer[:1] for buffer in kv_cache.values])
+        model.hidden_states(torch.tensor([prompts[0][:shared]], device=device),
+                            torch.arange(shared, device=device)[None], first_row)
+        for buffer in kv_cache.keys + kv_cache.values:
+            buffer[1:, :shared] = buffer[:1, :shared]
+    padded = torch.nn.utils.rnn.pad_sequence(
+        [torch.tensor(prompt[shared:], device=device) for prompt in prompts], batch_first=True
+    )
+    positions = torch.arange(shared, shared + padded.shape[1], device=device).expand(len(prompts), -1)
     # Only the last real token's logits are needed: skip the vocabulary projection elsewhere.
-    return kv_cache, model(padded, positions, kv_cache, logits_at=lengths - 1), lengths
+    return kv_cache, model(padded, positions, kv_cache, logits_at=lengths - 1 - shared), lengths
 
 
 def keep_rows_in_place(kv_cache: KVCache, rows: torch.Tensor, filled: int | None = None) -> KVCache:

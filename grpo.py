@@ -19,7 +19,7 @@ from tqdm import tqdm
 from config import LossConfig, OptimConfig, RolloutConfig
 from data_types import Episode, QuestionBatch
 from generation import generate
-from logprobs import pad_sequences, token_log_probs
+from logprobs import AnswerBatch, answer_batch, answer_log_probs
 
 logger = logging.getLogger(__name__)
 RewardForItem = Callable[[str, dict, str | None], dict]
@@ -151,15 +151,17 @@ def surrogate_token_losses(log_probs, old_log_probs, advantages, config: LossCon
 
 
 def micro_batches(episodes: list[Episode], micro_batch_size: int) -> list[list[int]]:
-    """Episode indices grouped by similar total length, so padding is small."""
-    order = sorted(range(len(episodes)), key=lambda i: len(episodes[i].prompt_token_ids) + episodes[i].num_generated_tokens)
+    """Episode indices in micro-batches that keep a group's answers together (their shared prompt runs
+    once: logprobs.AnswerBatch), prompts of similar length side by side, so padding is small."""
+    order = sorted(range(len(episodes)), key=lambda i: (len(episodes[i].prompt_token_ids), episodes[i].question_index,
+                                                        episodes[i].num_generated_tokens))
     return [order[start : start + micro_batch_size] for start in range(0, len(order), micro_batch_size)]
 
 
-def pad_micro_batch(episodes: list[Episode], pad_token_id: int, device):
-    """Right-padded prompt + answer tokens [B, T] and a mask [B, T-1] of the positions predicting answer tokens."""
-    return pad_sequences([e.prompt_token_ids + e.generated_token_ids for e in episodes],
-                         [len(e.prompt_token_ids) for e in episodes], pad_token_id, device)
+def episode_batch(episodes: list[Episode], pad_token_id: int, device) -> AnswerBatch:
+    """The episodes' prompt + answer tokens, laid out to score the answer tokens (see logprobs.AnswerBatch)."""
+    return answer_batch([e.prompt_token_ids + e.generated_token_ids for e in episodes],
+                        [len(e.prompt_token_ids) for e in episodes], pad_token_id, device)
 
 
 def update_policy(
@@ -209,16 +211,17 @@ def update_policy(
         bar = tqdm(batches, desc=f"update {epoch + 1}/{config.epochs_per_rollout}", disable=not progress, leave=False)
         for batch_number, indices in enumerate(bar):
             batch = [episodes[i] for i in indices]
-            tokens, mask = pad_micro_batch(batch, pad_token_id, device)
+            scored = episode_batch(batch, pad_token_id, device)
+            mask = scored.mask
             with optimizer_step.micro_batch(batch_number == len(batches) - 1):
-                log_probs, entropy = token_log_probs(model, tokens, optim.logprob_chunk_size)
+                log_probs, entropy = answer_log_probs(model, scored, optim.logprob_chunk_size)
                 if epoch == 0:
                     old_log_probs[batch_number] = log_probs.detach()
                     if config.kl_beta:
                         with torch.no_grad():
-                            reference = token_log_probs(reference_model, tokens, optim.logprob_chunk_size)[0]
-                        # Prompt and padding positions get the policy's own value (KL 0), so a far-off
-                        # reference there cannot overflow exp() into inf x 0 = NaN.
+                            reference = answer_log_probs(reference_model, scored, optim.logprob_chunk_size)[0]
+                        # Padding positions get the policy's own value (KL 0), so a far-off reference
+                        # there cannot overflow exp() into inf x 0 = NaN.
                         reference_log_probs[batch_number] = torch.where(mask, reference, log_probs.detach())
                 per_token_advantage = torch.tensor([advantages[i] for i in indices], device=device)[:, None]
                 per_token_weight = torch.tensor([weights[i] for i in indices], device=device)[:, None] * mask

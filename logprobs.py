@@ -6,6 +6,8 @@ under activation checkpointing: forward keeps only [batch, chunk] results, and b
 one chunk's logits at a time. The model runs this in its forward when given `targets`.
 """
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -54,13 +56,45 @@ def token_log_probs(model, tokens: torch.Tensor, chunk_size: int = 512) -> tuple
     return model(tokens[:, :-1], targets=tokens[:, 1:], logprob_chunk_size=chunk_size)
 
 
-def pad_sequences(sequences: list[list[int]], scored_from: list[int], pad_token_id: int, device):
-    """Right-padded tokens [B, T] and a mask [B, T-1] of the positions whose next token is scored:
-    those predicting sequence[scored_from:] (a response after its prompt), as token_log_probs aligns them."""
-    length = max(len(sequence) for sequence in sequences)
-    tokens = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), length - 1), dtype=torch.bool)
-    for row, (sequence, start) in enumerate(zip(sequences, scored_from)):
-        tokens[row, : len(sequence)] = torch.tensor(sequence)
-        mask[row, start - 1 : len(sequence) - 1] = True
-    return tokens.to(device), mask.to(device)
+class AnswerBatch(NamedTuple):
+    """Prompt + answer sequences laid out so that only answer tokens are scored and a prompt shared by
+    every sequence (a group's G answers, or the fixed start of a chat template) is run once."""
+
+    prefix: torch.Tensor | None  # [1, L]: the tokens every sequence starts with (None: nothing shared)
+    tokens: torch.Tensor  # [B, S]: each sequence after the prefix, right-padded
+    targets: torch.Tensor  # [B, A]: the answer tokens, right-padded
+    positions: torch.Tensor  # [B, A]: where in `tokens` each answer token is predicted
+    mask: torch.Tensor  # [B, A]: True at real answer tokens
+
+
+def shared_prefix_length(sequences: list[list[int]], limit: int) -> int:
+    """How many leading tokens (at most `limit`) all sequences have in common."""
+    first = sequences[0]
+    for index in range(limit):
+        if any(sequence[index] != first[index] for sequence in sequences):
+            return index
+    return limit
+
+
+def answer_batch(sequences: list[list[int]], answer_starts: list[int], pad_token_id: int, device) -> AnswerBatch:
+    """The AnswerBatch of sequences whose answers begin at answer_starts (every start >= 1)."""
+    # The last prompt token stays out of the prefix: its hidden state predicts the first answer token.
+    shared = shared_prefix_length(sequences, min(answer_starts) - 1)
+    answer_lengths = [len(sequence) - start for sequence, start in zip(sequences, answer_starts)]
+    tokens = torch.full((len(sequences), max(len(sequence) for sequence in sequences) - shared), pad_token_id)
+    targets = torch.full((len(sequences), max(1, *answer_lengths)), pad_token_id)
+    positions = torch.zeros_like(targets)
+    for row, (sequence, start, length) in enumerate(zip(sequences, answer_starts, answer_lengths)):
+        tokens[row, : len(sequence) - shared] = torch.tensor(sequence[shared:])
+        targets[row, :length] = torch.tensor(sequence[start:])
+        positions[row, :length] = torch.arange(start - 1 - shared, start - 1 - shared + length)
+    mask = torch.arange(targets.shape[1])[None, :] < torch.tensor(answer_lengths)[:, None]
+    prefix = torch.tensor([sequences[0][:shared]], device=device) if shared else None
+    return AnswerBatch(prefix, tokens.to(device), targets.to(device), positions.to(device), mask.to(device))
+
+
+def answer_log_probs(model, batch: AnswerBatch, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(answer token), entropy), both [B, A] float32, aligned with batch.targets; log-probs are
+    differentiable w.r.t. the model. The same values as token_log_probs over the whole sequences."""
+    return model(batch.tokens, prefix=batch.prefix, targets=batch.targets, target_positions=batch.positions,
+                 logprob_chunk_size=chunk_size)

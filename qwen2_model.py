@@ -253,28 +253,42 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
 
-    def forward(self, x, cos, sin, layer_cache=None, positions=None, mask=None):
+    def queries_keys_values(self, x, cos, sin):
+        """q [batch, heads, seq, head_dim] and k, v [batch, kv_heads, seq, head_dim], rotated."""
         batch, seq, _ = x.shape
         q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
         if self.qk_norm:  # per head, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q.transpose(1, 2), cos, sin)
-        k = apply_rotary(k.transpose(1, 2), cos, sin).transpose(1, 2)
+        return apply_rotary(q.transpose(1, 2), cos, sin), apply_rotary(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+
+    def output(self, attended: torch.Tensor) -> torch.Tensor:
+        batch, _, seq, _ = attended.shape
+        return self.o_proj(attended.transpose(1, 2).reshape(batch, seq, -1))
+
+    def forward(self, x, cos, sin, layer_cache=None, positions=None, mask=None):
+        q, k, v = self.queries_keys_values(x, cos, sin)
         if layer_cache is None:
-            out = F.scaled_dot_product_attention(
-                q, k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
-            )
-        else:
-            cache_k, cache_v = layer_cache
-            rows = torch.arange(batch, device=x.device)[:, None]
-            cache_k[rows, positions] = k
-            cache_v[rows, positions] = v
-            out = F.scaled_dot_product_attention(
-                q, cache_k.transpose(1, 2), cache_v.transpose(1, 2), attn_mask=mask, enable_gqa=True
-            )
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+            return self.output(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+        cache_k, cache_v = layer_cache
+        rows = torch.arange(x.shape[0], device=x.device)[:, None]
+        cache_k[rows, positions] = k.transpose(1, 2)
+        cache_v[rows, positions] = v.transpose(1, 2)
+        return self.output(F.scaled_dot_product_attention(
+            q, cache_k.transpose(1, 2), cache_v.transpose(1, 2), attn_mask=mask, enable_gqa=True))
+
+    def forward_with_prefix(self, prefix_x, x, prefix_rope, rope, mask):
+        """Attention over a shared prefix [1, L] and the rows continuing it [batch, S]: every row attends to
+        the prefix's keys and values, computed once (expand is a view; backward sums the rows' gradients)."""
+        prefix_q, prefix_k, prefix_v = self.queries_keys_values(prefix_x, *prefix_rope)
+        q, k, v = self.queries_keys_values(x, *rope)
+        prefix_out = F.scaled_dot_product_attention(prefix_q, prefix_k, prefix_v, is_causal=True, enable_gqa=True)
+        batch = x.shape[0]
+        keys = torch.cat([prefix_k.expand(batch, -1, -1, -1), k], dim=2)
+        values = torch.cat([prefix_v.expand(batch, -1, -1, -1), v], dim=2)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return self.output(prefix_out), self.output(out)
 
 
 class MLP(nn.Module):
@@ -299,6 +313,12 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, layer_cache=None, positions=None, mask=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_cache, positions, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_with_prefix(self, prefix_x, x, prefix_rope, rope, mask):
+        prefix_attended, attended = self.self_attn.forward_with_prefix(
+            self.input_layernorm(prefix_x), self.input_layernorm(x), prefix_rope, rope, mask)
+        prefix_x, x = prefix_x + prefix_attended, x + attended
+        return prefix_x + self.mlp(self.post_attention_layernorm(prefix_x)), x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Transformer(nn.Module):
@@ -349,17 +369,44 @@ class Transformer(nn.Module):
                 x = layer(x, cos, sin)
         return self.norm(x)
 
+    def hidden_states_after_prefix(self, prefix: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [batch, seq, hidden] of rows that all continue one shared prefix [1, L]:
+        the same values as a causal forward over each row's prefix + tokens, with the prefix run once."""
+        prefix_length, seq = prefix.shape[1], tokens.shape[1]
+        inv_freq = rope_inverse_frequencies(self.config, tokens.device)
+        prefix_x, x = self.embed_tokens(prefix), self.embed_tokens(tokens)
+        positions = torch.arange(prefix_length + seq, device=tokens.device)
+        prefix_rope = rotary_cos_sin(positions[None, :prefix_length], inv_freq, x.dtype)
+        rope = rotary_cos_sin(positions[None, prefix_length:], inv_freq, x.dtype)
+        # A row's token at position p sees the whole prefix and its own tokens up to p.
+        mask = positions[None, :] <= positions[prefix_length:, None]
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training:
+                prefix_x, x = checkpoint(layer.forward_with_prefix, prefix_x, x, prefix_rope, rope, mask,
+                                         use_reentrant=False)
+            else:
+                prefix_x, x = layer.forward_with_prefix(prefix_x, x, prefix_rope, rope, mask)
+        return self.norm(x)
+
     def forward(self, tokens: torch.Tensor, positions=None, kv_cache: KVCache | None = None, *,
                 logits_at: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+                target_positions: torch.Tensor | None = None, prefix: torch.Tensor | None = None,
                 logprob_chunk_size: int = 256):
         """Logits [batch, seq, vocab] in the model's dtype, or what a caller needs instead of all of them:
 
         logits_at [batch]: only the logits at each row's given position, [batch, vocab] (prefill).
-        targets [batch, seq]: (log p(targets) [batch, seq], entropy [batch, seq]) in float32, computed
-        chunk by chunk without the whole logits tensor (the update; see logprobs.py).
+        targets: (log p(targets), entropy) in float32, computed chunk by chunk without the whole logits
+        tensor (the update; see logprobs.py). targets [batch, seq] are predicted at every position, or
+        targets [batch, n] at target_positions [batch, n] only.
+        prefix [1, L]: tokens every row continues (a shared prompt), run once; see hidden_states_after_prefix.
         """
-        hidden = self.hidden_states(tokens, positions, kv_cache)
+        if prefix is not None:
+            hidden = self.hidden_states_after_prefix(prefix, tokens)
+        else:
+            hidden = self.hidden_states(tokens, positions, kv_cache)
         if targets is not None:
+            if target_positions is not None:
+                hidden = hidden.gather(1, target_positions[..., None].expand(-1, -1, hidden.shape[-1]))
             return chunked_token_log_probs(hidden, targets, self.lm_head.weight, logprob_chunk_size)
         if logits_at is not None:
             hidden = hidden[torch.arange(len(hidden), device=hidden.device), logits_at]

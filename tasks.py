@@ -14,7 +14,8 @@ from config import TaskConfig
 
 def load_dataset(config: TaskConfig, tokenizer, split: str) -> torch.utils.data.Dataset:
     if config.name == "countdown":
-        dataset = countdown_task.CountdownDataset(config.data_dir, tokenizer, split, config.test_size)
+        dataset = countdown_task.CountdownDataset(config.data_dir, tokenizer, split, config.test_size,
+                                                  config.prompt_template)
     else:
         dataset = gsm8k_task.GSM8KDataset(config.data_dir, tokenizer, split, config.prompt_template)
     if len(dataset) == 0:

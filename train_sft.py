@@ -44,7 +44,7 @@ import distributed
 import tasks
 from bootstrap import check_inputs
 from evaluate import run_evaluation
-from logprobs import pad_sequences, token_log_probs
+from logprobs import answer_batch, answer_log_probs
 from optimizer import new_adamw
 from run_logging import RunLogger, show_progress
 from runtime import agreed_run_name, load_policy, set_up_process, step_indices
@@ -108,9 +108,10 @@ def load_examples(config: SFTConfig, tokenizer):
 
 def response_nll(model, examples, pad_token_id: int, chunk_size: int) -> tuple[torch.Tensor, int]:
     """Summed NLL of the response tokens of `examples`, and how many tokens that is."""
-    tokens, mask = pad_sequences([ids for ids, _ in examples], [prompt_length for _, prompt_length in examples],
-                                 pad_token_id, next(model.parameters()).device)
-    log_probs, _ = token_log_probs(model, tokens, chunk_size)
+    scored = answer_batch([ids for ids, _ in examples], [prompt_length for _, prompt_length in examples],
+                          pad_token_id, next(model.parameters()).device)
+    log_probs, _ = answer_log_probs(model, scored, chunk_size)
+    mask = scored.mask
     # The count from the host's lists: reading mask.sum() would wait for the device.
     return -(log_probs * mask).sum(), sum(len(ids) - prompt_length for ids, prompt_length in examples)
 

@@ -48,6 +48,17 @@ def eos_token_id(model, prompts) -> int:
 
 
 @pytest.mark.parametrize("flags", FLAG_COMBINATIONS, ids=FLAG_IDS)
+def test_prompts_sharing_their_start_match_the_naive_decoder(model, prompts, eos_token_id, flags):
+    """The common start runs once in the prefill and is copied to every row; one prompt is that start
+    plus a single token (its last token must stay out of the shared part)."""
+    start = [11, 12, 13, 14, 15, 16]
+    shared = [start + prompt for prompt in prompts] + [start + [17]]
+    expected = [naive_greedy(model, prompt, 16, eos_token_id) for prompt in shared]
+    completions = generate(model, shared, 2, 16, eos_token_id, temperature=0, **flags)
+    assert completions == [c for c in expected for _ in range(2)]
+
+
+@pytest.mark.parametrize("flags", FLAG_COMBINATIONS, ids=FLAG_IDS)
 def test_greedy_matches_naive_decoder(model, prompts, eos_token_id, flags):
     max_gen_len, num_samples = 24, 3
     expected = [naive_greedy(model, prompt, max_gen_len, eos_token_id) for prompt in prompts]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from logprobs import token_log_probs
+from logprobs import answer_batch, answer_log_probs, token_log_probs
 from qwen2_model import Transformer
 
 
@@ -84,3 +84,54 @@ def test_bad_arguments_are_explained(tiny_model_dir, tokens, chunk_size, message
     model = Transformer.from_pretrained(tiny_model_dir, dtype=torch.float32)
     with pytest.raises(ValueError, match=message):
         token_log_probs(model, torch.tensor(tokens), chunk_size)
+
+
+def answer_positions_reference(model, sequences, answer_starts):
+    """Log-probs of each answer token from a plain full-logits forward over each whole sequence, alone."""
+    rows = []
+    for sequence, start in zip(sequences, answer_starts):
+        log_probs, _ = full_logits_log_probs(model, torch.tensor([sequence]))
+        rows.append(log_probs[0, start - 1 :])
+    return rows
+
+
+# A group sharing its whole prompt; prompts sharing a template start; nothing shared (the first tokens
+# differ); a prompt of one token (nothing can be shared: its hidden state predicts the answer).
+SEQUENCE_SETS = {
+    "one group": ([[5, 6, 7, 8, 1, 2], [5, 6, 7, 8, 3], [5, 6, 7, 8, 4, 4, 4]], [4, 4, 4]),
+    "shared template start": ([[5, 6, 7, 9, 1, 2], [5, 6, 3, 3, 8, 3, 1], [5, 6, 7, 8, 4]], [4, 5, 4]),
+    "nothing shared": ([[1, 6, 7, 1, 2], [2, 6, 7, 3]], [3, 3]),
+    "one-token prompt": ([[5, 9, 9], [5, 6, 7, 8, 1]], [1, 4]),
+}
+
+
+@pytest.mark.parametrize("name", SEQUENCE_SETS)
+def test_answer_log_probs_match_whole_sequence_forwards(tiny_model_dir, name):
+    """The shared prefix runs once and only answer tokens are scored, yet values and gradients are
+    those of a forward over each sequence alone."""
+    sequences, answer_starts = SEQUENCE_SETS[name]
+    model = Transformer.from_pretrained(tiny_model_dir, dtype=torch.float32).train()
+    batch = answer_batch(sequences, answer_starts, pad_token_id=0, device="cpu")
+    weights = torch.randn(batch.mask.shape, generator=torch.Generator().manual_seed(1)) * batch.mask
+
+    model.zero_grad()
+    log_probs, entropy = answer_log_probs(model, batch, chunk_size=2)
+    (log_probs * weights).sum().backward()
+    grads = {name: param.grad.clone() for name, param in model.named_parameters()}
+
+    model.zero_grad()
+    expected = answer_positions_reference(model, sequences, answer_starts)
+    sum((row * weights[index, : len(row)]).sum() for index, row in enumerate(expected)).backward()
+    for index, row in enumerate(expected):
+        assert batch.mask[index].sum() == len(row)
+        assert torch.allclose(log_probs[index, : len(row)], row.detach(), atol=1e-5)
+    for name_, param in model.named_parameters():
+        assert torch.allclose(grads[name_], param.grad, atol=1e-5, rtol=1e-4), name_
+    assert entropy.shape == log_probs.shape
+
+
+def test_answer_batch_shares_the_common_prompt_start():
+    batch = answer_batch(*SEQUENCE_SETS["one group"], pad_token_id=0, device="cpu")
+    assert batch.prefix.tolist() == [[5, 6, 7]]  # the last prompt token stays with the rows
+    assert batch.tokens.shape == (3, 4) and batch.targets.tolist() == [[1, 2, 0], [3, 0, 0], [4, 4, 4]]
+    assert answer_batch(*SEQUENCE_SETS["nothing shared"], pad_token_id=0, device="cpu").prefix is None
