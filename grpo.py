@@ -195,6 +195,13 @@ def update_policy(
     if config.kl_beta and reference_model is None:
         raise ValueError("loss.kl_beta > 0 needs the frozen reference model (reference_model=...)")
     weights = episode_loss_weights(episodes, config, counts.sequences, counts.tokens, max_gen_len)
+    episode_sums = {"advantage_abs_sum": sum(abs(a) for a in advantages), "episodes": len(episodes)}
+    if not config.kl_beta:
+        # An answer with advantage 0 (its group's rewards were all equal) adds exactly 0 to the loss and its
+        # gradient, in every epoch: leave it out of the forward and backward. The weights, from the whole
+        # batch's counts, are unchanged, so the update is too. Early in training that is most answers.
+        trained = [index for index, advantage in enumerate(advantages) if advantage != 0]
+        episodes, advantages, weights = ([values[i] for i in trained] for values in (episodes, advantages, weights))
     start = time.perf_counter()
     device = next(model.parameters()).device
     batches = micro_batches(episodes, optim.micro_batch_size)
@@ -245,7 +252,7 @@ def update_policy(
     totals = dict(zip(TOKEN_SUMS, sums.tolist()))
     if config.kl_beta:
         totals["kl_sum"] = kl_sum.item()
-    return {**totals, "advantage_abs_sum": sum(abs(a) for a in advantages), "episodes": len(episodes),
+    return {**totals, **episode_sums,
             "ratio_max": ratio_max.item(), "grad_norm": grad_norm, "update_seconds": time.perf_counter() - start}
 
 

@@ -193,6 +193,23 @@ def test_one_group_with_spread_is_enough_to_update(policy):
     assert max((a - b).abs().max().item() for a, b in zip(updated.parameters(), policy.parameters())) > 0
 
 
+@pytest.mark.parametrize("aggregation, weight_of", [("token", TOKEN), ("sequence", SEQUENCE)])
+def test_a_flat_group_is_left_out_of_the_update_but_counted_in_its_average(policy, aggregation, weight_of):
+    """Its answers have advantage 0: the update skips their forward and backward, yet its result is the
+    hand gradient over the whole batch, whose average still counts their tokens (or sequences)."""
+    flat_second_group = lambda e: 0.1 if e.question_index else e.reward
+    episodes = [make_episode(e.question_index, e.prompt_token_ids, e.generated_token_ids, flat_second_group(e))
+                for e in sample_episodes()]
+    config = LossConfig(aggregation=aggregation)
+    advantages = compute_advantages(episodes, config)
+    assert advantages[3:] == [0.0] * 3
+    updated, metrics = sgd_update(policy, episodes, config, micro_batch_size=2)
+    expected, expected_loss = expected_sgd_update(policy, lambda m: hand_loss(m, episodes, advantages, weight_of))
+    assert_same_parameters(updated, expected)
+    assert metrics["loss"] == pytest.approx(expected_loss, abs=1e-6)
+    assert metrics["advantage_abs_mean"] == pytest.approx(sum(map(abs, advantages)) / 6)
+
+
 def test_empty_batch_skips_the_update_with_a_warning(policy, caplog):
     with caplog.at_level(logging.WARNING):
         updated, metrics = sgd_update(policy, [], LossConfig(), micro_batch_size=2)
