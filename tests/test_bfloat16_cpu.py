@@ -1,0 +1,68 @@
+"""bfloat16, the GPU recipes' dtype, on a CPU: a few SFT and GRPO steps run and give finite losses.
+
+The tiny fixture checks the code path in CI; where a SmolLM2-135M-Instruct directory is found ($SMOLLM2_DIR,
+made by ../shared/tools/make_smollm2.sh or downloaded from the Hub), the real-model recipe's configs run a
+step of each stage in bfloat16 too.
+"""
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+import config as config_lib
+import countdown_task
+import train
+import train_sft
+from test_train import digit_reward, read_scalars, tiny_config  # noqa: F401 (a fixture)
+from test_train_sft import sft_config
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def countdown_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("countdown-bf16")
+    countdown_task.main(["generate", "--out", str(out), "--size", "80", "--seed", "2", "--max-number", "20",
+                         "--with-solutions"])
+    return out
+
+
+def assert_finite_losses(log_dir: Path, tag: str, at_least: int) -> None:
+    values = [value for _, value in read_scalars(log_dir).get(tag, [])]
+    assert len(values) >= at_least and all(math.isfinite(value) for value in values), values
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_sft_and_grpo_steps_in_bfloat16(tmp_path, tiny_model_dir, countdown_dir, digit_reward, checkpointing):
+    common = ["model.dtype=bfloat16", f"model.gradient_checkpointing={checkpointing}",
+              "task.prompt_template=question_last"]
+    train_sft.train_sft(sft_config(tmp_path, tiny_model_dir, countdown_dir, *common, "optim.num_steps=3",
+                                   "eval.interval=0"))
+    assert_finite_losses(tmp_path / "logs" / "sft", "train/loss", 3)
+    train.train(tiny_config(tmp_path, tmp_path / "sft-out", countdown_dir, *common, "eval.interval=0"))
+    assert_finite_losses(tmp_path / "logs" / "tiny", "train/loss", 1)  # a step whose groups are all flat has none
+
+
+@pytest.mark.slow
+def test_real_model_recipe_steps_in_bfloat16(tmp_path):
+    model_dir = os.environ.get("SMOLLM2_DIR")
+    if not model_dir or not (Path(model_dir) / "model.safetensors").is_file():
+        pytest.skip("no SmolLM2-135M-Instruct directory: set SMOLLM2_DIR (../shared/tools/make_smollm2.sh OUT .)")
+    data_dir = tmp_path / "countdown"
+    countdown_task.main(["generate", "--out", str(data_dir), "--size", "300", "--seed", "0", "--max-number", "99",
+                         "--max-numbers", "3", "--min-numbers", "2", "--with-solutions"])
+    shared = ["model.dtype=bfloat16", f"task.data_dir={data_dir}", f"logging.log_dir={tmp_path / 'logs'}",
+              "progress=false", "task.test_size=16"]
+    sft = config_lib.load(train_sft.SFTConfig, [str(REPO_ROOT / "configs" / "smollm2_cpu_sft.yaml")],
+                          [*shared, f"model.dir={model_dir}", f"output_dir={tmp_path / 'sft'}", "optim.num_steps=2",
+                           "optim.batch_size=4", "optim.micro_batch_size=4", "run_name=sft"])
+    train_sft.train_sft(sft)
+    assert_finite_losses(tmp_path / "logs" / "sft", "train/loss", 2)
+    grpo = config_lib.load(train.TrainConfig, [str(REPO_ROOT / "configs" / "smollm2_cpu.yaml")],
+                           [*shared, f"model.dir={tmp_path / 'sft'}", "optim.num_steps=2", "rollout.episodes_per_step=8",
+                            "rollout.max_gen_len=24", "eval.interval=0", "run_name=grpo",
+                            f"checkpoint.dir={tmp_path / 'checkpoints'}", "rollout.temperature=2.0"])
+    train.train(grpo)
+    assert_finite_losses(tmp_path / "logs" / "grpo", "train/loss", 1)
