@@ -113,7 +113,7 @@ def run_experiment(experiment: Experiment) -> dict:
     if config.eval.interval and config.optim.num_steps % config.eval.interval:
         logger.warning("%s: optim.num_steps is not a multiple of eval.interval, so the final evaluation is at step %d",
                        experiment.name, config.optim.num_steps // config.eval.interval * config.eval.interval)
-    prepare_missing_inputs(config.bootstrap, config.task, config.model.dir)  # not part of the timed run
+    prepare_missing_inputs(config.bootstrap, config.task, config.model)  # not part of the timed run
     start = time.perf_counter()
     train.train(config)
     return {**read_run_metrics(log_dir), "wall_seconds": time.perf_counter() - start}

@@ -5,9 +5,10 @@ missing: a CountDown dataset (countdown_task.py generate), a tiny random base mo
 and its SFT warm-up (train_sft.py). Each runs only if its output does not exist yet, so a rerun goes
 straight to GRPO.
 
-The bootstrap builds only at the paths its own section names (`data_dir`, `model_dir`): a model or
-data directory that is missing anywhere else (a typo in `--set model.dir=...`, a GSM8K directory, a
-real model) stops the run with the command that fetches or generates it, before anything is built.
+The bootstrap builds only at the paths its own section names (`data_dir`, `model_dir`). Elsewhere a
+Hub id is fetched (hub.py), and a model or data directory that is missing (a typo in
+`--set model.dir=...`, a GSM8K directory, a real model) stops the run with the command that fetches
+or generates it, before anything is built.
 """
 
 import logging
@@ -15,7 +16,8 @@ import shlex
 from pathlib import Path
 
 import config as config_lib
-from config import BootstrapConfig, TaskConfig
+import hub
+from config import BootstrapConfig, ModelSetup, TaskConfig
 
 logger = logging.getLogger("bootstrap")
 
@@ -36,26 +38,32 @@ def builds_model(config: BootstrapConfig, model_dir: str) -> bool:
     return bool(config.sft_config) and _same(config.model_dir, model_dir)
 
 
-def check_inputs(config: BootstrapConfig, task: TaskConfig | None, model_dir: str | None) -> None:
-    """Stop, with the command that makes it, at a missing input the bootstrap does not build
+def check_inputs(config: BootstrapConfig, task: TaskConfig | None, model: ModelSetup | None) -> None:
+    """Replace a Hub id in task.data_dir or model.dir by its snapshot in the Hub cache, fetched if need be,
+    then stop, with the command that makes it, at a missing input the bootstrap does not build
     (None: that input is not needed)."""
     import countdown_task  # here, so a config can be checked before torch loads
     import gsm8k_task
     from qwen2_model import download_hint
 
-    if task is not None and not Path(task.data_dir).exists() and not builds_data(config, task):
-        message = (countdown_task.missing_data_message(Path(task.data_dir)) if task.name == "countdown"
-                   else f"GSM8K directory {task.data_dir} does not exist; {gsm8k_task.DOWNLOAD_HINT}")
-        raise MissingInputError(f"task.data_dir: {message}")
-    if model_dir is not None and not Path(model_dir).exists() and not builds_model(config, model_dir):
-        raise MissingInputError(f"model.dir: model directory '{model_dir}' does not exist. "
-                                + download_hint(Path(model_dir)).replace("\n ", ""))
+    if task is not None and not builds_data(config, task):
+        task.data_dir = hub.local_dir(task.data_dir, repo_type="dataset", key="task.data_dir", files=[
+            countdown_task.HUB_FILES if task.name == "countdown" else gsm8k_task.HUB_FILES])
+        if not Path(task.data_dir).exists():
+            message = (countdown_task.missing_data_message(Path(task.data_dir)) if task.name == "countdown"
+                       else f"GSM8K directory {task.data_dir} does not exist; {gsm8k_task.DOWNLOAD_HINT}")
+            raise MissingInputError(f"task.data_dir: {message}")
+    if model is not None and not builds_model(config, model.dir):
+        model.dir = hub.local_dir(model.dir, repo_type="model", key="model.dir", files=hub.MODEL_FILES)
+        if not Path(model.dir).exists():
+            raise MissingInputError(f"model.dir: model directory '{model.dir}' does not exist. "
+                                    + download_hint(Path(model.dir)).replace("\n ", ""))
 
 
-def prepare_missing_inputs(config: BootstrapConfig, task: TaskConfig, model_dir: str | None) -> None:
-    """Generate task.data_dir, then build the base model and SFT it into model_dir, where missing and
-    named by the bootstrap section; `model_dir` None: no model needed (resuming from a checkpoint)."""
-    check_inputs(config, task, model_dir)
+def prepare_missing_inputs(config: BootstrapConfig, task: TaskConfig, model: ModelSetup | None) -> None:
+    """Generate task.data_dir, then build the base model and SFT it into model.dir, where missing and
+    named by the bootstrap section; `model` None: no model needed (resuming from a checkpoint)."""
+    check_inputs(config, task, model)
     import countdown_task
     import tiny_model
     from train_sft import SFTConfig, train_sft
@@ -63,11 +71,12 @@ def prepare_missing_inputs(config: BootstrapConfig, task: TaskConfig, model_dir:
     if not Path(task.data_dir).exists():
         logger.info("generating the CountDown dataset %s", task.data_dir)
         countdown_task.main(["generate", "--out", task.data_dir, *shlex.split(config.dataset_args)])
-    if model_dir is not None and not Path(model_dir).exists():
-        sft_config = config_lib.load(SFTConfig, config.sft_config, [*config.sft_overrides, f"output_dir={model_dir}"])
+    if model is not None and not Path(model.dir).exists():
+        sft_config = config_lib.load(SFTConfig, config.sft_config, [*config.sft_overrides, f"output_dir={model.dir}"])
         sft_config.task = task  # the warm-up learns the task GRPO will train on, from the same data
         if config.base_model_args and not Path(sft_config.model.dir).exists():
             logger.info("building the base model %s", sft_config.model.dir)
             tiny_model.main(["--out", sft_config.model.dir, *shlex.split(config.base_model_args)])
-        logger.info("SFT warm-up: %s -> %s", sft_config.model.dir, model_dir)
+        check_inputs(BootstrapConfig(), None, sft_config.model)  # a base model given by Hub id: fetched
+        logger.info("SFT warm-up: %s -> %s", sft_config.model.dir, model.dir)
         train_sft(sft_config)

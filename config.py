@@ -143,7 +143,7 @@ def world_size() -> int:
 
 @dataclass
 class ModelSetup:
-    dir: str = "Qwen2.5-3B-Instruct"  # a Hugging Face model directory
+    dir: str = "Qwen/Qwen2.5-3B-Instruct"  # a Hugging Face model directory or Hub id (hub.py)
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     gradient_checkpointing: bool = True
 
@@ -157,7 +157,7 @@ COUNTDOWN_PROMPT_TEMPLATES = ("reasoning", "question_last")  # countdown_task.US
 @dataclass
 class TaskConfig:
     name: Literal["countdown", "gsm8k"] = "countdown"
-    data_dir: str = "Countdown-Tasks-3to4"
+    data_dir: str = "Jiayi-Pan/Countdown-Tasks-3to4"  # a data directory or Hub id (hub.py)
     test_size: int = 128  # countdown: the last rows held out for evaluation
     # countdown: reasoning (GRPO:Zero's prompt) or question_last (same words); gsm8k: prompts/<name>.txt or a file
     prompt_template: str = "reasoning"

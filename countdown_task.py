@@ -46,7 +46,9 @@ INSTRUCTIONS = (
 USER_TEMPLATES = {"reasoning": f"{QUESTION} {INSTRUCTIONS}", "question_last": f"{INSTRUCTIONS} {QUESTION}"}
 RESPONSE_PREFILL = "Let me solve this step by step.\n<think>"
 
-HUB_DATASET_URL = "https://huggingface.co/datasets/Jiayi-Pan/Countdown-Tasks-3to4"
+HUB_DATASET_ID = "Jiayi-Pan/Countdown-Tasks-3to4"
+HUB_DATASET_URL = f"https://huggingface.co/datasets/{HUB_DATASET_ID}"
+HUB_FILES = "data/*.parquet"  # what read_tasks reads in a data directory: the Hub dataset's layout
 FORMAT_REWARD = 0.1
 ANSWER_REWARD = 1.0
 # Real answers are ~30 characters; the limit bounds the parser's work (and the size of
@@ -75,8 +77,9 @@ def render_prompt(tokenizer, numbers: list[int], target: int, template: str = "r
 
 def missing_data_message(data_dir: Path) -> str:
     return (
-        f"No CountDown data in {data_dir}: expected parquet files at {data_dir / 'data'}/*.parquet. "
-        f"Download the Hub dataset with `git lfs install && git clone {HUB_DATASET_URL} {data_dir}`, "
+        f"No CountDown data in {data_dir}: expected parquet files at {data_dir / HUB_FILES}. "
+        f"Set task.data_dir to the Hub id {HUB_DATASET_ID} to download the Hub dataset at start-up (or clone it: "
+        f"`git lfs install && git clone {HUB_DATASET_URL} {data_dir}`), "
         f"or generate one with `uv run countdown_task.py generate --out {data_dir} --size 100000 --seed 0`."
     )
 
@@ -84,7 +87,7 @@ def missing_data_message(data_dir: Path) -> str:
 def read_tasks(data_dir: str | Path) -> pa.Table:
     """All rows of data_dir/data/*.parquet, files in sorted name order."""
     data_dir = Path(data_dir)
-    files = sorted((data_dir / "data").glob("*.parquet"))
+    files = sorted(data_dir.glob(HUB_FILES))
     if not files:
         raise FileNotFoundError(missing_data_message(data_dir))
     for file in files:

@@ -1,8 +1,9 @@
-"""Evaluate a model directory or training checkpoint on a task's held-out questions.
+"""Evaluate a model directory, Hub model or training checkpoint on a task's held-out questions.
 
     uv run evaluate.py --model checkpoints/<run>/step_000100 [--config FILE] [--split test]
                        [--samples K] [--temperature T] [--threads N] [--out samples.jsonl]
     uv run evaluate.py --model MODEL_DIR --data DATA_DIR [--task gsm8k]   # any model, no config needed
+    uv run evaluate.py --model Qwen/Qwen2.5-3B-Instruct --data Jiayi-Pan/Countdown-Tasks-3to4  # Hub ids (hub.py)
 
 Reports success rate (pass@1, and pass@k when K > 1), format rate and mean response length, and
 writes every sample to JSONL. train.py's periodic evaluation calls the same `evaluate` function.
@@ -26,8 +27,9 @@ logger = logging.getLogger("evaluate")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="a Hugging Face model directory or a training checkpoint")
-    parser.add_argument("--data", help="the task's data directory (task.data_dir; default: the checkpoint's)")
+    parser.add_argument("--model", required=True, help="a Hugging Face model directory or Hub id, or a training "
+                        "checkpoint")
+    parser.add_argument("--data", help="the task's data directory or Hub id (task.data_dir; default: the checkpoint's)")
     parser.add_argument("--task", choices=["countdown", "gsm8k"], help="task.name (default: the checkpoint's, else countdown)")
     parser.add_argument("--config", action="append", help="YAML with seed/device/cpu_threads/model/task/eval keys; "
                         "repeat to merge several (default: the checkpoint's config.yaml, if any)")
@@ -36,7 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float)
     parser.add_argument("--max-questions", type=int)
     parser.add_argument("--threads", type=int, help="torch CPU threads (cpu_threads)")
-    parser.add_argument("--out", help="JSONL of every sample (default: <model>/eval_<split>.jsonl)")
+    parser.add_argument("--out", help="JSONL of every sample (default: <model>/eval_<split>.jsonl; for a Hub id "
+                        "<owner>--<name>_eval_<split>.jsonl here)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = parser.parse_args(argv)
     args.model = config_lib.expand_path(args.model)  # like every path key: ~ and $VARIABLES
@@ -85,6 +88,7 @@ import torch
 from tqdm import tqdm
 
 import distributed
+import hub
 import tasks
 from bootstrap import check_inputs
 from data_types import QuestionBatch
@@ -173,13 +177,20 @@ def summarize(samples: list[dict], num_samples: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> None:
     try:
         args, config = read_command_line(argv)
-        run(config, args.split, Path(config_lib.expand_path(args.out or Path(args.model) / f"eval_{args.split}.jsonl")))
+        run(config, args.split, Path(config_lib.expand_path(args.out or default_out(args.model, args.split))))
     except config_lib.InputError as error:
         config_lib.exit_on_input_error(error)
 
 
+def default_out(model: str, split: str) -> Path:
+    """Beside the model; for a Hub id in the working directory, not in the Hub's cache."""
+    if hub.is_hub_id(model):
+        return Path(f"{model.replace('/', '--')}_eval_{split}.jsonl")
+    return Path(model) / f"eval_{split}.jsonl"
+
+
 def run(config: EvaluateConfig, split: str, out_path: Path) -> None:
-    check_inputs(BootstrapConfig(), config.task, config.model.dir)  # a missing one: the command that fetches it
+    check_inputs(BootstrapConfig(), config.task, config.model)  # Hub ids fetched; a missing dir: how to get it
     device = distributed.rank_device(resolve_device(config.device))
     set_cpu_threads(config.cpu_threads)
     tokenizer = Tokenizer(config.model.dir)

@@ -5,7 +5,7 @@ when the text inside <answer></answer> has the same exact rational value as the
 gold answer. Answers come from the model, so they are read by the small parser
 below and never by eval, exec or sympify (which calls eval).
 
-    uv run gsm8k_task.py sft-data --data gsm8k --out sft_gsm8k.jsonl
+    uv run gsm8k_task.py sft-data --data openai/gsm8k --out sft_gsm8k.jsonl   # or --data a local directory
 """
 
 import argparse
@@ -18,6 +18,8 @@ import torch
 from sympy import Rational
 from tqdm import tqdm
 
+import hub
+from config import InputError, exit_on_input_error
 from countdown_task import extract_answer_text, format_reward
 
 PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
@@ -26,9 +28,10 @@ FORMAT_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 GOLD_ANSWER_MARKER = "####"
 CALCULATOR_ANNOTATION = re.compile(r"<<[^<>]*>>")  # GSM8K's "<<48/2=24>>" calculator calls
 DOWNLOAD_HINT = (
-    "download GSM8K with `git lfs install && git clone https://huggingface.co/datasets/openai/gsm8k` "
-    "and pass the clone's directory"
+    "set task.data_dir to the Hub id openai/gsm8k to download GSM8K at start-up, or clone it with "
+    "`git lfs install && git clone https://huggingface.co/datasets/openai/gsm8k` and pass the clone's directory"
 )
+HUB_FILES = "main/*.parquet"  # what a Hub id fetches: both splits of the Hub dataset's "main" config
 
 # ----------------------------------------------------------------------------
 # data
@@ -448,12 +451,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     sft_data = commands.add_parser("sft-data", help="write worked solutions as {prompt, response} JSONL for SFT")
-    sft_data.add_argument("--data", required=True, help="GSM8K directory: train.jsonl/test.jsonl or the Hub clone")
+    sft_data.add_argument("--data", required=True, help="GSM8K directory (train.jsonl/test.jsonl or the Hub's "
+                          "layout) or Hub id (openai/gsm8k)")
     sft_data.add_argument("--out", required=True, help="output JSONL file")
     sft_data.add_argument("--split", default="train", choices=["train", "test"])
     sft_data.add_argument("--prompt-template", default="reasoning", help="name in prompts/ or a template file")
     args = parser.parse_args(argv)
-    count = write_sft_data(args.data, args.out, args.split, args.prompt_template)
+    try:
+        data_dir = hub.local_dir(args.data, repo_type="dataset", files=[HUB_FILES], key="--data")
+    except InputError as error:
+        exit_on_input_error(error)
+    count = write_sft_data(data_dir, args.out, args.split, args.prompt_template)
     print(f"wrote {count} examples to {args.out}")
 
 

@@ -28,9 +28,10 @@ logger = logging.getLogger(__name__)
 
 
 def download_hint(model_dir: Path) -> str:
-    # A directory named like a Hub model (Qwen2.5-Math-1.5B, ...) gets that model's clone command.
+    # A directory named like a Hub model (Qwen2.5-Math-1.5B, ...) gets that model's id and clone command.
     name = model_dir.name if model_dir.name.startswith("Qwen") else "Qwen2.5-3B-Instruct"
-    return f"Download a Qwen2.5 checkpoint first, e.g.\n  git lfs install && git clone https://huggingface.co/Qwen/{name} {model_dir}"
+    return (f"Give a Hub id to download it at start-up (e.g. model.dir=Qwen/{name}), or clone it first:\n"
+            f"  git lfs install && git clone https://huggingface.co/Qwen/{name} {model_dir}")
 
 
 # model_type -> the transformers class whose math (and config defaults) each architecture follows.

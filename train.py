@@ -178,14 +178,14 @@ def start_run(config: TrainConfig, resume: str | None, overwrite: bool) -> tuple
         resumed_run = checkpoint.run_directory_of(resume)
         config.run_name, config.checkpoint.dir = resumed_run.name, str(resumed_run.parent)
     config.run_name = config.run_name or agreed_run_name()
-    base_model_dir = None if resume else config.model.dir  # resuming, the checkpoint is the model
-    bootstrap.check_inputs(config.bootstrap, config.task, base_model_dir)  # before the run directory exists
+    base_model = None if resume else config.model  # resuming, the checkpoint is the model
+    bootstrap.check_inputs(config.bootstrap, config.task, base_model)  # before the run directory exists; Hub ids fetched
     run_claim = None
     if distributed.is_main_process():
         run_claim = checkpoint.claim_run(Path(config.checkpoint.dir) / config.run_name,
                                          Path(config.logging.log_dir) / config.run_name, bool(resume), overwrite)
     if distributed.world_size() == 1:  # ranks would race to write the same files: bootstrap single-process
-        bootstrap.prepare_missing_inputs(config.bootstrap, config.task, base_model_dir)
+        bootstrap.prepare_missing_inputs(config.bootstrap, config.task, base_model)
     return (checkpoint.find(resume) if resume else None), run_claim
 
 

@@ -142,6 +142,11 @@ def learning_rate(step: int, config: SFTOptimConfig) -> float:
     return config.learning_rate * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def answers_task_questions(config: SFTConfig) -> bool:
+    """Whether the evaluations answer the task's questions (task_eval_set), beside the held-out loss."""
+    return bool(config.eval.interval) and config.eval.max_questions != 0
+
+
 def task_eval_set(config: SFTConfig, tokenizer) -> torch.utils.data.Dataset:
     """The questions whose success SFT reports: those of the held-out pairs when the pairs come from the task's
     training split (never trained on, and the test split stays unseen until GRPO), else the test split."""
@@ -179,7 +184,7 @@ def train_sft(config: SFTConfig) -> dict:
     model, policy = load_policy(config.model, config.model.dir, device, config.distributed.fsdp)
     tokenizer = Tokenizer(config.model.dir)
     train_examples, eval_examples = load_examples(config, tokenizer)
-    eval_set = task_eval_set(config, tokenizer) if config.eval.interval and config.eval.max_questions != 0 else None
+    eval_set = task_eval_set(config, tokenizer) if answers_task_questions(config) else None
     optim = config.optim
     optimizer = new_adamw(model.parameters(), optim)
     optimizer_step = distributed.OptimizerStep(policy, optimizer, optim.max_grad_norm)
@@ -245,7 +250,8 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     try:
         _, config = read_command_line(argv)
-        check_inputs(BootstrapConfig(), None if config.data.train_jsonl else config.task, config.model.dir)
+        uses_task = not config.data.train_jsonl or answers_task_questions(config)  # for its pairs or its questions
+        check_inputs(BootstrapConfig(), config.task if uses_task else None, config.model)
         train_sft(config)
     except config_lib.InputError as error:  # config or data: one line, exit code 2
         config_lib.exit_on_input_error(error)

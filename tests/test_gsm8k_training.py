@@ -45,7 +45,7 @@ def gsm8k_rows(data_dir, split) -> list[dict]:
 
 def test_configs_are_the_documents_setup():
     grpo = config_lib.load(train.TrainConfig, CONFIGS / "gsm8k.yaml")
-    assert (grpo.model.dir, grpo.task.name, grpo.task.data_dir) == ("Qwen2.5-Math-1.5B", "gsm8k", "gsm8k")
+    assert (grpo.model.dir, grpo.task.name, grpo.task.data_dir) == ("Qwen/Qwen2.5-Math-1.5B", "gsm8k", "openai/gsm8k")
     assert (grpo.rollout.num_answers_per_question, grpo.rollout.episodes_per_step) == (8, 256)
     assert (grpo.optim.learning_rate, grpo.optim.betas, grpo.optim.max_grad_norm) == (1e-5, (0.9, 0.95), 1.0)
     assert grpo.eval.interval == 10
