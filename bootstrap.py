@@ -15,13 +15,10 @@ import shlex
 from pathlib import Path
 
 import config as config_lib
-from config import BootstrapConfig, TaskConfig
+import inputs
+from config import BootstrapConfig, MissingInputError, TaskConfig  # noqa: F401 (MissingInputError: bootstrap's error)
 
 logger = logging.getLogger("bootstrap")
-
-
-class MissingInputError(config_lib.InputError, FileNotFoundError):
-    label = "missing input"
 
 
 def _same(path: str | None, other: str) -> bool:
@@ -36,20 +33,14 @@ def builds_model(config: BootstrapConfig, model_dir: str) -> bool:
     return bool(config.sft_config) and _same(config.model_dir, model_dir)
 
 
-def check_inputs(config: BootstrapConfig, task: TaskConfig | None, model_dir: str | None) -> None:
-    """Stop, with the command that makes it, at a missing input the bootstrap does not build
-    (None: that input is not needed)."""
-    import countdown_task  # here, so a config can be checked before torch loads
-    import gsm8k_task
-    from qwen2_model import download_hint
-
-    if task is not None and not Path(task.data_dir).exists() and not builds_data(config, task):
-        message = (countdown_task.missing_data_message(Path(task.data_dir)) if task.name == "countdown"
-                   else f"GSM8K directory {task.data_dir} does not exist; {gsm8k_task.DOWNLOAD_HINT}")
-        raise MissingInputError(f"task.data_dir: {message}")
-    if model_dir is not None and not Path(model_dir).exists() and not builds_model(config, model_dir):
-        raise MissingInputError(f"model.dir: model directory '{model_dir}' does not exist. "
-                                + download_hint(Path(model_dir)).replace("\n ", ""))
+def check_inputs(config: BootstrapConfig, task: TaskConfig | None, model_dir: str | None, *,
+                 splits: tuple[str, ...] = ("train", "test"), with_solutions: bool = False) -> None:
+    """Check the data (`splits` of `task`) and the model directory a run reads, before torch loads (None: that
+    input is not needed); a missing one the bootstrap does not build stops with the command that makes it."""
+    if task is not None and (Path(task.data_dir).exists() or not builds_data(config, task)):
+        inputs.check_data(task, splits, with_solutions)
+    if model_dir is not None and (Path(model_dir).exists() or not builds_model(config, model_dir)):
+        inputs.check_model_dir(Path(model_dir))
 
 
 def prepare_missing_inputs(config: BootstrapConfig, task: TaskConfig, model_dir: str | None) -> None:

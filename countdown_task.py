@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from config import DataError
+from inputs import COUNTDOWN_HUB_URL, countdown_files, read_parquet
 
 logger = logging.getLogger("countdown")
 
@@ -42,7 +43,6 @@ USER_TEMPLATE = (
 )
 RESPONSE_PREFILL = "Let me solve this step by step.\n<think>"
 
-HUB_DATASET_URL = "https://huggingface.co/datasets/Jiayi-Pan/Countdown-Tasks-3to4"
 FORMAT_REWARD = 0.1
 ANSWER_REWARD = 1.0
 # Real answers are ~30 characters; the limit bounds the parser's work (and the size of
@@ -69,34 +69,17 @@ def render_prompt(tokenizer, numbers: list[int], target: int) -> str:
 # ----------------------------------------------------------------------------- dataset
 
 
-def missing_data_message(data_dir: Path) -> str:
-    return (
-        f"No CountDown data in {data_dir}: expected parquet files at {data_dir / 'data'}/*.parquet. "
-        f"Download the Hub dataset with `git lfs install && git clone {HUB_DATASET_URL} {data_dir}`, "
-        f"or generate one with `uv run countdown_task.py generate --out {data_dir} --size 100000 --seed 0`."
-    )
-
-
 def read_tasks(data_dir: str | Path) -> pa.Table:
     """All rows of data_dir/data/*.parquet, files in sorted name order."""
-    data_dir = Path(data_dir)
-    files = sorted((data_dir / "data").glob("*.parquet"))
-    if not files:
-        raise FileNotFoundError(missing_data_message(data_dir))
-    for file in files:
-        with file.open("rb") as parquet_file:
-            if parquet_file.read(4) != b"PAR1":
-                raise ValueError(
-                    f"{file} is not a parquet file (a Git LFS pointer?); run `git lfs install && git lfs pull` in {data_dir}"
-                )
+    files = countdown_files(Path(data_dir))
     return pa.concat_tables([checked_table(file) for file in files], promote_options="default")
 
 
 def checked_table(file: Path) -> pa.Table:
     """One parquet file's rows, after checking that `nums` is a list of ints and `target` an int in every row:
     a string target would never match any answer, so every reward would silently be 0."""
-    table = pq.read_table(file)
-    needed = f"CountDown data needs `nums` (list of ints) and `target` (int), as in {HUB_DATASET_URL}"
+    table = read_parquet(file)
+    needed = f"CountDown data needs `nums` (list of ints) and `target` (int), as in {COUNTDOWN_HUB_URL}"
     missing_columns = {"nums", "target"} - set(table.column_names)
     if missing_columns:
         raise DataError(f"{file} has columns {table.column_names} but lacks {sorted(missing_columns)}; {needed}")
@@ -247,8 +230,6 @@ def _apply(symbol: str, values: list[Fraction], steps: list[str] | None = None) 
 
 def sft_response(item: dict) -> str:
     """A reference response for SFT: the solution's operations as the reasoning, then the solution."""
-    if "solution" not in item:
-        raise ValueError("SFT on CountDown needs reference solutions: generate the data with --with-solutions.")
     steps: list[str] = []
     _evaluate(EXPRESSION_TOKEN.findall(item["solution"]), steps)
     return f" {', '.join(steps)} </think>\n<answer> {item['solution']} </answer>"
