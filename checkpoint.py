@@ -153,18 +153,26 @@ def save(out_dir, model, tokenizer_dir, run_config=None, trainer_state: dict | N
     out_dir = Path(out_dir)
     staging = out_dir.with_name(f".{out_dir.name}.tmp.{os.getpid()}")  # unique per process
     shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
-    for name in TOKENIZER_FILES:
-        source = Path(tokenizer_dir) / name
-        if source.is_file():
-            shutil.copy(source, staging / name)
-    if trainer_state is not None:
-        torch.save(trainer_state, staging / TRAINER_STATE)
-    if run_config is not None:
-        config_lib.dump(run_config, staging / "config.yaml")
-    for file in staging.iterdir():  # on disk before the rename makes them the checkpoint
-        _fsync(file)
-    _fsync(staging)
+    try:
+        model.save_pretrained(staging)
+        for name in TOKENIZER_FILES:
+            source = Path(tokenizer_dir) / name
+            if source.is_file():
+                shutil.copy(source, staging / name)
+        if trainer_state is not None:
+            torch.save(trainer_state, staging / TRAINER_STATE)
+        if run_config is not None:
+            config_lib.dump(run_config, staging / RUN_CONFIG)
+        for file in staging.iterdir():  # on disk before the rename makes them the checkpoint
+            _fsync(file)
+        _fsync(staging)
+    except BaseException as error:  # a half-written copy would only fill the disk: remove it, whatever stopped us
+        reason = write_failure(error, out_dir.parent)  # before the removal frees the space it took
+        shutil.rmtree(staging, ignore_errors=True)
+        if reason is None:
+            raise
+        raise CheckpointError(f"could not write {out_dir}: {reason}; the partial copy is removed and earlier "
+                              "checkpoints are intact") from None
     old = out_dir.with_name(f".{out_dir.name}.old.{os.getpid()}")
     if out_dir.exists():  # overwriting: the old copy stays whole, under `old`, until the new one is in place
         os.replace(out_dir, old)
@@ -172,6 +180,22 @@ def save(out_dir, model, tokenizer_dir, run_config=None, trainer_state: dict | N
     _fsync(out_dir.parent)
     shutil.rmtree(old, ignore_errors=True)
     return out_dir
+
+
+def write_failure(error: BaseException, directory: Path) -> str | None:
+    """What stopped a checkpoint write, in words, when the disk or the directory is at fault; None for anything
+    else. torch and safetensors report a full disk as errors of their own (`unexpected pos ...`) without its
+    errno, so any error of a write that left its filesystem (nearly) full counts as a full disk too."""
+    try:
+        nearly_full = shutil.disk_usage(directory).free < LOW_DISK_BYTES
+    except OSError:
+        nearly_full = False
+    if (isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)) or (
+            isinstance(error, Exception) and nearly_full):
+        return f"disk full (no space left on the filesystem of {directory})"
+    if isinstance(error, OSError):
+        return f"{error.strerror or error} ({error.filename or directory})"
+    return None
 
 
 def recover_interrupted_saves(run_dir: Path) -> None:

@@ -380,7 +380,11 @@ def save_checkpoint(config: TrainConfig, step: int, model, optimizer, generator:
                                                                  "rng": rng_state()})}
     if distributed.is_main_process():
         run_directory = Path(config.checkpoint.dir) / config.run_name
-        path = checkpoint.save(run_directory / f"step_{step:06d}", savable, model_dir, config, trainer_state)
+        try:
+            path = checkpoint.save(run_directory / f"step_{step:06d}", savable, model_dir, config, trainer_state)
+        except checkpoint.CheckpointError as error:  # a full disk, a directory gone read-only
+            raise checkpoint.CheckpointError(f"{error}; once it can be written, continue the run with "
+                                             f"--resume {run_directory}") from None
         logger.info("saved checkpoint %s", path)
         checkpoint.prune(run_directory, config.checkpoint.keep_last)
     distributed.barrier()  # no rank goes on (and may read it) before the checkpoint is complete
