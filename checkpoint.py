@@ -88,8 +88,10 @@ class RunClaim:
 
     def __init__(self, directories: list[Path], advice: str):
         self.locks = []
+        self.created_parents = []  # made for the directories; removed again at release while empty
         try:
             for directory in dict.fromkeys(Path(d).resolve() for d in directories):  # once each
+                self.created_parents += [parent for parent in directory.parents if not parent.exists()]
                 self.locks.append((directory, lock_directory(directory, advice)))
         except BaseException:
             self.release()
@@ -98,7 +100,12 @@ class RunClaim:
     def release(self) -> None:
         for directory, descriptor in reversed(self.locks):
             unlock_directory(directory, descriptor)
-        self.locks = []
+        for parent in self.created_parents:  # each directory's parents, innermost first
+            try:
+                parent.rmdir()
+            except OSError:
+                pass
+        self.locks, self.created_parents = [], []
 
 
 def claim_run(run_dir: Path, log_dir: Path, resuming: bool, overwrite: bool) -> RunClaim:

@@ -47,8 +47,10 @@ class MissingInputError(InputError, FileNotFoundError):
 
 
 def exit_on_input_error(error: InputError) -> typing.NoReturn:
-    """What every entry point does with an InputError: `<label>: <message>` on stderr, exit code 2."""
-    print(f"{error.label}: {error}", file=sys.stderr)
+    """What every entry point does with an InputError: `<label>: <message>` on stderr, one line (a library's
+    message quoted in it may span several), exit code 2."""
+    message = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    print(f"{error.label}: {message}", file=sys.stderr)
     raise SystemExit(2)
 
 
