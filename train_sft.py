@@ -99,18 +99,15 @@ LOG_INTERVAL = 20  # steps between log lines when there is no progress bar
 
 
 def tokenize_pairs(pairs: list[dict], tokenizer, max_seq_len: int) -> list[tuple[list[int], int]]:
-    """(token ids, number of prompt tokens) per pair; the response ends with eos."""
-    examples = []
+    """(token ids, number of prompt tokens) per pair that fits max_seq_len; the response ends with eos."""
+    tokenized = []
     for pair in pairs:
         prompt_ids = tokenizer.encode(pair["prompt"])
-        ids = prompt_ids + tokenizer.encode(pair["response"]) + [tokenizer.eos_token_id]
-        if len(ids) <= max_seq_len:
-            examples.append((ids, len(prompt_ids)))
-    if not examples:
-        shortest = min(len(tokenizer.encode(pair["prompt"] + pair["response"])) + 1 for pair in pairs)
-        raise config_lib.ConfigError(f"data.max_seq_len: no SFT example fits (the shortest has about {shortest} tokens): "
-                                     f"raise it to at least {shortest}, got {max_seq_len}")
-    return examples
+        tokenized.append((prompt_ids + tokenizer.encode(pair["response"]) + [tokenizer.eos_token_id], len(prompt_ids)))
+    shortest = min(len(ids) for ids, _ in tokenized)
+    config_lib.check(shortest <= max_seq_len, "data.max_seq_len", f"no SFT example fits (the shortest has {shortest} "
+                     f"tokens): raise it to at least {shortest}", max_seq_len)
+    return [(ids, prompt_length) for ids, prompt_length in tokenized if len(ids) <= max_seq_len]
 
 
 def load_examples(config: SFTConfig, tokenizer):
@@ -121,6 +118,8 @@ def load_examples(config: SFTConfig, tokenizer):
     if config.data.eval_jsonl:
         eval_pairs = read_pairs(config.data.eval_jsonl)
     else:
+        config_lib.check(config.data.eval_size < len(train_pairs), "data.eval_size", f"must leave training pairs: "
+                         f"below the {len(train_pairs)} pairs there are", config.data.eval_size)
         eval_pairs, train_pairs = train_pairs[-config.data.eval_size :], train_pairs[: -config.data.eval_size]
     return (tokenize_pairs(train_pairs, tokenizer, config.data.max_seq_len),
             tokenize_pairs(eval_pairs, tokenizer, config.data.max_seq_len))
