@@ -28,7 +28,7 @@ from config import TrainConfig
 logger = logging.getLogger("ablate")
 
 # Keys only some tasks read: elsewhere the experiment would silently repeat the base run.
-TASK_SPECIFIC_KEYS = {"task.prompt_template": ("gsm8k",)}
+TASK_SPECIFIC_KEYS = {"task.prompt_template": ("gsm8k",), "task.question_last": ("countdown",)}
 COLUMNS = ("experiment", "changes", "final_eval_success", "best_eval_success", "final_format_rate", "steps",
            "wall_seconds", "note")
 

@@ -17,13 +17,10 @@ from pathlib import Path
 
 import config as config_lib
 import hub
-from config import BootstrapConfig, ModelSetup, TaskConfig
+import inputs
+from config import BootstrapConfig, MissingInputError, ModelSetup, TaskConfig  # noqa: F401 (MissingInputError: bootstrap's error)
 
 logger = logging.getLogger("bootstrap")
-
-
-class MissingInputError(config_lib.InputError, FileNotFoundError):
-    label = "missing input"
 
 
 def _same(path: str | None, other: str) -> bool:
@@ -38,26 +35,20 @@ def builds_model(config: BootstrapConfig, model_dir: str) -> bool:
     return bool(config.sft_config) and _same(config.model_dir, model_dir)
 
 
-def check_inputs(config: BootstrapConfig, task: TaskConfig | None, model: ModelSetup | None) -> None:
-    """Replace a Hub id in task.data_dir or model.dir by its snapshot in the Hub cache, fetched if need be,
-    then stop, with the command that makes it, at a missing input the bootstrap does not build
-    (None: that input is not needed)."""
-    import countdown_task  # here, so a config can be checked before torch loads
-    import gsm8k_task
-    from qwen2_model import download_hint
-
+def check_inputs(config: BootstrapConfig, task: TaskConfig | None, model: ModelSetup | None, *,
+                 splits: tuple[str, ...] = ("train", "test"), with_solutions: bool = False) -> None:
+    """Replace a Hub id in task.data_dir or model.dir by its snapshot in the Hub cache, fetched if need be, then
+    check the data (`splits` of `task`) and the model directory a run reads, before torch loads (None: that input
+    is not needed); a missing one the bootstrap does not build stops with the command that makes it."""
     if task is not None and not builds_data(config, task):
         task.data_dir = hub.local_dir(task.data_dir, repo_type="dataset", key="task.data_dir", files=[
-            countdown_task.HUB_FILES if task.name == "countdown" else gsm8k_task.HUB_FILES])
-        if not Path(task.data_dir).exists():
-            message = (countdown_task.missing_data_message(Path(task.data_dir)) if task.name == "countdown"
-                       else f"GSM8K directory {task.data_dir} does not exist; {gsm8k_task.DOWNLOAD_HINT}")
-            raise MissingInputError(f"task.data_dir: {message}")
+            inputs.COUNTDOWN_HUB_FILES if task.name == "countdown" else inputs.GSM8K_HUB_FILES])
+    if task is not None and (Path(task.data_dir).exists() or not builds_data(config, task)):
+        inputs.check_data(task, splits, with_solutions)
     if model is not None and not builds_model(config, model.dir):
         model.dir = hub.local_dir(model.dir, repo_type="model", key="model.dir", files=hub.MODEL_FILES)
-        if not Path(model.dir).exists():
-            raise MissingInputError(f"model.dir: model directory '{model.dir}' does not exist. "
-                                    + download_hint(Path(model.dir)).replace("\n ", ""))
+    if model is not None and (Path(model.dir).exists() or not builds_model(config, model.dir)):
+        inputs.check_model_dir(Path(model.dir))
 
 
 def prepare_missing_inputs(config: BootstrapConfig, task: TaskConfig, model: ModelSetup | None) -> None:

@@ -12,7 +12,10 @@ What keeps a run's files whole:
   if a crash falls in between, the next claim of the run puts the old copy back.
 """
 
+import contextlib
+import errno
 import fcntl
+import logging
 import os
 import shutil
 import socket
@@ -26,6 +29,10 @@ TRAINER_STATE = "trainer_state.pt"
 LOCK_FILE = ".lock"
 STEP_GLOB = "step_[0-9]*"
 EVENTS_GLOB = "events.out.tfevents.*"
+RUN_CONFIG = "config.yaml"  # in the run directory and in every checkpoint
+LOW_DISK_BYTES = 16 * 2**20  # a failed write with less than this left on its filesystem ran out of space
+
+logger = logging.getLogger("checkpoint")
 
 
 class CheckpointError(config_lib.InputError):
@@ -42,7 +49,11 @@ class RunDirectoryError(config_lib.InputError):
 def lock_directory(directory: Path, advice: str) -> int:
     """Create `directory` if needed and lock it for this process; returns the lock's file descriptor.
     If another process holds it, stop with who holds it and `advice`."""
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # what inputs.check_writable cannot foresee: a filesystem that only looks writable
+        raise RunDirectoryError(f"cannot create {directory}: {error.strerror}; choose a directory you can write "
+                                "to") from None
     path = directory / LOCK_FILE
     while True:
         descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -77,8 +88,10 @@ class RunClaim:
 
     def __init__(self, directories: list[Path], advice: str):
         self.locks = []
+        self.created_parents = []  # made for the directories; removed again at release while empty
         try:
             for directory in dict.fromkeys(Path(d).resolve() for d in directories):  # once each
+                self.created_parents += [parent for parent in directory.parents if not parent.exists()]
                 self.locks.append((directory, lock_directory(directory, advice)))
         except BaseException:
             self.release()
@@ -87,29 +100,47 @@ class RunClaim:
     def release(self) -> None:
         for directory, descriptor in reversed(self.locks):
             unlock_directory(directory, descriptor)
-        self.locks = []
+        for parent in self.created_parents:  # each directory's parents, innermost first
+            try:
+                parent.rmdir()
+            except OSError:
+                pass
+        self.locks, self.created_parents = [], []
 
 
 def claim_run(run_dir: Path, log_dir: Path, resuming: bool, overwrite: bool) -> RunClaim:
     """Own a run's checkpoint and log directories, repair an interrupted checkpoint write, and refuse
-    to mix a new run into an earlier run's files unless `overwrite` (then they are deleted)."""
+    to mix a new run into an earlier run's files unless `overwrite` (then they are deleted). An earlier
+    run that stopped before its first checkpoint holds nothing to lose: its logs are replaced."""
     run_dir, log_dir = Path(run_dir), Path(log_dir)
     claim = RunClaim([run_dir, log_dir], f"wait for it to end, pick another name (--set run_name=NAME), "
                                          f"or later continue it with --resume {run_dir}")
-    try:
+    with released_on_error(claim):
         recover_interrupted_saves(run_dir)
-        earlier = sorted(run_dir.glob(STEP_GLOB)) + sorted(log_dir.glob(EVENTS_GLOB))
-        if earlier and not resuming:
-            if not overwrite:
-                raise RunDirectoryError(
-                    f"{earlier[0]} is from an earlier run named {run_dir.name!r}; continue it with --resume {run_dir}, "
-                    f"pick another name (--set run_name=NAME), or delete its checkpoints and logs with --overwrite")
-            for path in earlier:
+        steps, events = sorted(run_dir.glob(STEP_GLOB)), sorted(log_dir.glob(EVENTS_GLOB))
+        if steps and not resuming and not overwrite:
+            raise RunDirectoryError(
+                f"{steps[0]} is from an earlier run named {run_dir.name!r}; continue it with --resume {run_dir}, "
+                f"pick another name (--set run_name=NAME), or delete its checkpoints and logs with --overwrite")
+        if events and not steps and not resuming:
+            logger.warning("run %r stopped before its first checkpoint, so it holds nothing to resume: starting it "
+                           "over (its logs in %s are replaced)", run_dir.name, log_dir)
+        if not resuming:
+            for path in steps + events:
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
-    except BaseException:
-        claim.release()
-        raise
     return claim
+
+
+@contextlib.contextmanager
+def released_on_error(claim: RunClaim | None):
+    """Release `claim` (if any) when the block raises: a run refused while it starts leaves no lock file and no
+    directory it created."""
+    try:
+        yield
+    except BaseException:
+        if claim is not None:
+            claim.release()
+        raise
 
 
 # ----------------------------------------------------------------------------- writing
@@ -129,18 +160,26 @@ def save(out_dir, model, tokenizer_dir, run_config=None, trainer_state: dict | N
     out_dir = Path(out_dir)
     staging = out_dir.with_name(f".{out_dir.name}.tmp.{os.getpid()}")  # unique per process
     shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
-    for name in TOKENIZER_FILES:
-        source = Path(tokenizer_dir) / name
-        if source.is_file():
-            shutil.copy(source, staging / name)
-    if trainer_state is not None:
-        torch.save(trainer_state, staging / TRAINER_STATE)
-    if run_config is not None:
-        config_lib.dump(run_config, staging / "config.yaml")
-    for file in staging.iterdir():  # on disk before the rename makes them the checkpoint
-        _fsync(file)
-    _fsync(staging)
+    try:
+        model.save_pretrained(staging)
+        for name in TOKENIZER_FILES:
+            source = Path(tokenizer_dir) / name
+            if source.is_file():
+                shutil.copy(source, staging / name)
+        if trainer_state is not None:
+            torch.save(trainer_state, staging / TRAINER_STATE)
+        if run_config is not None:
+            config_lib.dump(run_config, staging / RUN_CONFIG)
+        for file in staging.iterdir():  # on disk before the rename makes them the checkpoint
+            _fsync(file)
+        _fsync(staging)
+    except BaseException as error:  # a half-written copy would only fill the disk: remove it, whatever stopped us
+        reason = write_failure(error, out_dir.parent)  # before the removal frees the space it took
+        shutil.rmtree(staging, ignore_errors=True)
+        if reason is None:
+            raise
+        raise CheckpointError(f"could not write {out_dir}: {reason}; the partial copy is removed and earlier "
+                              "checkpoints are intact") from None
     old = out_dir.with_name(f".{out_dir.name}.old.{os.getpid()}")
     if out_dir.exists():  # overwriting: the old copy stays whole, under `old`, until the new one is in place
         os.replace(out_dir, old)
@@ -148,6 +187,22 @@ def save(out_dir, model, tokenizer_dir, run_config=None, trainer_state: dict | N
     _fsync(out_dir.parent)
     shutil.rmtree(old, ignore_errors=True)
     return out_dir
+
+
+def write_failure(error: BaseException, directory: Path) -> str | None:
+    """What stopped a checkpoint write, in words, when the disk or the directory is at fault; None for anything
+    else. torch and safetensors report a full disk as errors of their own (`unexpected pos ...`) without its
+    errno, so any error of a write that left its filesystem (nearly) full counts as a full disk too."""
+    try:
+        nearly_full = shutil.disk_usage(directory).free < LOW_DISK_BYTES
+    except OSError:
+        nearly_full = False
+    if (isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)) or (
+            isinstance(error, Exception) and nearly_full):
+        return f"disk full (no space left on the filesystem of {directory})"
+    if isinstance(error, OSError):
+        return f"{error.strerror or error} ({error.filename or directory})"
+    return None
 
 
 def recover_interrupted_saves(run_dir: Path) -> None:
@@ -194,12 +249,23 @@ def run_directory_of(path) -> Path:
     return path.parent if path.name.startswith("step_") or (path / TRAINER_STATE).is_file() else path
 
 
-def find(path) -> Path:
-    """A checkpoint directory, or the latest resumable checkpoint inside a run directory."""
+def find(path) -> Path | None:
+    """The checkpoint --resume `path` continues from: `path` itself, or the latest resumable checkpoint in
+    the run directory `path`; None for a run that stopped before its first checkpoint (it starts over)."""
     path = Path(path)
     if (path / TRAINER_STATE).is_file():
         return path
+    if not path.is_dir():
+        raise CheckpointError(f"--resume {path}: no such directory; pass a run directory (<checkpoint.dir>/<run_name>) "
+                              f"or one of its {STEP_GLOB} checkpoints")
     candidates = sorted(path.glob(f"{STEP_GLOB}/{TRAINER_STATE}"))
-    if not candidates:
-        raise CheckpointError(f"--resume {path}: no checkpoint ({STEP_GLOB}/{TRAINER_STATE}) found there")
-    return candidates[-1].parent
+    if candidates:
+        return candidates[-1].parent
+    if path.name.startswith("step_") or any(path.glob(STEP_GLOB)):
+        raise CheckpointError(f"--resume {path}: no checkpoint with {TRAINER_STATE} there (weights only, saved with "
+                              "checkpoint.optimizer_state: false, cannot be resumed); resume from a resumable step "
+                              "or start over with --overwrite")
+    if not (path / RUN_CONFIG).is_file():
+        raise CheckpointError(f"--resume {path}: not a run directory (no {RUN_CONFIG}, no {STEP_GLOB}/{TRAINER_STATE}); "
+                              "pass <checkpoint.dir>/<run_name>")
+    return None

@@ -1,8 +1,9 @@
 """Every config section as a dataclass with its allowed ranges, and the YAML loading that fills them.
 
 A config file is nested sections of plain keys. Unknown keys, wrong types, values outside a
-`Literal` and values outside a key's range (each section's `validate()`, built from the checks
-below) stop the run before any work, with `config error: <key>: <what is allowed>, got <value>`.
+`Literal`, a float that is not finite (inf, nan) and values outside a key's range (each section's
+`validate()`, built from the checks below) stop the run before any work, with
+`config error: <key>: <what is allowed>, got <value>`.
 `--set section.key=value` overrides any key (the value is parsed as YAML); several config files
 merge in order, later files winning.
 
@@ -11,6 +12,7 @@ before it loads torch: --help and a config error answer at once (see check_comma
 """
 
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -40,9 +42,15 @@ class DataError(InputError):
     label = "data error"
 
 
+class MissingInputError(InputError, FileNotFoundError):
+    label = "missing input"
+
+
 def exit_on_input_error(error: InputError) -> typing.NoReturn:
-    """What every entry point does with an InputError: `<label>: <message>` on stderr, exit code 2."""
-    print(f"{error.label}: {error}", file=sys.stderr)
+    """What every entry point does with an InputError: `<label>: <message>` on stderr, one line (a library's
+    message quoted in it may span several), exit code 2."""
+    message = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    print(f"{error.label}: {message}", file=sys.stderr)
     raise SystemExit(2)
 
 
@@ -73,11 +81,6 @@ def check(ok: bool, key: str, allowed: str, value) -> None:
 def at_least(section, name: str, minimum: float) -> None:
     value = getattr(section, name)
     check(value is None or value >= minimum, name, f"must be >= {minimum}", value)
-
-
-def above(section, name: str, bound: float) -> None:
-    value = getattr(section, name)
-    check(value is None or value > bound, name, f"must be > {bound}", value)
 
 
 def within(section, name: str, low: float, high: float, closed: str = "[]") -> None:
@@ -121,12 +124,23 @@ def paths(section, *names: str) -> None:
             setattr(section, name, expand_path(value))
 
 
-def common_run_keys(section) -> None:
-    """The keys every entry point's top level shares."""
-    plain_name(section, "run_name")
-    at_least(section, "seed", 0)
+# numpy's global generator takes seeds in [0, 2**32); torch's and Python's take more.
+MAX_SEED = 2**32 - 1
+# torch.set_num_threads(100000) tries to start that many threads; no machine has more than ~1000 cores.
+MAX_CPU_THREADS = 1024
+
+
+def process_keys(section) -> None:
+    """The keys of every entry point's top level: how its process is set up."""
+    within(section, "seed", 0, MAX_SEED)
     device(section)
-    at_least(section, "cpu_threads", 1)
+    within(section, "cpu_threads", 1, MAX_CPU_THREADS)
+
+
+def common_run_keys(section) -> None:
+    """The keys the training entry points' top level shares."""
+    plain_name(section, "run_name")
+    process_keys(section)
 
 
 def world_size() -> int:
@@ -151,23 +165,23 @@ class ModelSetup:
         paths(self, "dir")
 
 
-COUNTDOWN_PROMPT_TEMPLATES = ("reasoning", "question_last")  # countdown_task.USER_TEMPLATES
-
-
 @dataclass
 class TaskConfig:
     name: Literal["countdown", "gsm8k"] = "countdown"
     data_dir: str = "Jiayi-Pan/Countdown-Tasks-3to4"  # a data directory or Hub id (hub.py)
     test_size: int = 128  # countdown: the last rows held out for evaluation
-    # countdown: reasoning (GRPO:Zero's prompt) or question_last (same words); gsm8k: prompts/<name>.txt or a file
-    prompt_template: str = "reasoning"
+    prompt_template: str = "reasoning"  # gsm8k: prompts/<name>.txt or a file path
+    # countdown: the question after GRPO:Zero's instructions (same words), so every prompt starts with the same
+    # ~110 tokens, which generation and the update run once per batch
+    question_last: bool = False
 
     def validate(self) -> None:
         paths(self, "data_dir", "prompt_template")
         at_least(self, "test_size", 1)  # an empty test split would make every evaluation 0/0
-        if self.name == "countdown":
-            check(self.prompt_template in COUNTDOWN_PROMPT_TEMPLATES, "prompt_template",
-                  f"CountDown's templates are {', '.join(COUNTDOWN_PROMPT_TEMPLATES)}", self.prompt_template)
+
+
+# Above this, sampling is all but uniform over the vocabulary: noise, not a policy.
+MAX_TEMPERATURE = 10
 
 
 @dataclass
@@ -186,7 +200,7 @@ class RolloutConfig:
         for name in ("episodes_per_step", "num_answers_per_question", "max_prompt_len", "max_gen_len",
                      "dynamic_sampling_max_rounds"):
             at_least(self, name, 1)
-        above(self, "temperature", 0)  # 0 would make every group's answers equal: no signal
+        within(self, "temperature", 0, MAX_TEMPERATURE, "(]")  # 0 would make every group's answers equal: no signal
         within(self, "top_p", 0, 1, "(]")
 
 
@@ -207,11 +221,12 @@ class AdamWConfig:
     def validate(self) -> None:
         for name in ("num_steps", "micro_batch_size", "logprob_chunk_size"):
             at_least(self, name, 1)
-        above(self, "learning_rate", 0)
-        at_least(self, "weight_decay", 0)
+        within(self, "learning_rate", 0, 1, "(]")
+        within(self, "weight_decay", 0, 1)  # AdamW shrinks weights by learning_rate x weight_decay per step
         betas(self)
-        above(self, "eps", 0)
-        above(self, "max_grad_norm", 0)  # < 0 reverses the update, 0 zeroes it
+        within(self, "eps", 0, 1, "()")
+        # < 0 reverses the update, 0 zeroes it; a gradient norm above 1e4 has diverged, so larger never clips
+        within(self, "max_grad_norm", 0, 10_000, "(]")
 
 
 @dataclass
@@ -244,7 +259,7 @@ class LossConfig:
     kl_beta: float = 0.0  # weight of the k3 KL to the frozen initial policy; 0: no reference model
 
     def validate(self) -> None:
-        above(self, "advantage_eps", 0)  # < 0 can flip advantage signs; 0 gives 0/0 in equal groups
+        within(self, "advantage_eps", 0, 1, "(]")  # < 0 can flip advantage signs; 0 gives 0/0 in equal groups
         at_least(self, "aggregation_constant", 1)
         at_least(self, "epochs_per_rollout", 1)
         within(self, "clip_range", 0, 1, "()")
@@ -252,8 +267,8 @@ class LossConfig:
         check(self.clip_range_high is None or self.clip == "ppo", "clip_range_high",
               "needs loss.clip: ppo (without clipping it does nothing)", self.clip_range_high)
         within(self, "overlong_buffer_fraction", 0, 1, "[)")
-        above(self, "overlong_penalty_factor", 0)
-        at_least(self, "kl_beta", 0)  # 0: no KL term, no reference model
+        within(self, "overlong_penalty_factor", 0, 10, "(]")  # rewards are at most ~1: 10 x that is already absurd
+        within(self, "kl_beta", 0, 10)  # 0: no KL term, no reference model; 10 already pins the policy
 
 
 @dataclass
@@ -271,7 +286,7 @@ class EvalConfig:
         at_least(self, "max_questions", 0)  # 0: train_sft.py scores only the held-out loss
         for name in ("batch_size", "num_samples", "max_gen_len"):
             at_least(self, name, 1)
-        at_least(self, "temperature", 0)
+        within(self, "temperature", 0, MAX_TEMPERATURE)
         within(self, "top_p", 0, 1, "(]")
 
 
@@ -472,9 +487,7 @@ class EvaluateConfig:
     def validate(self) -> None:
         check(self.eval.max_gen_len is not None, "eval.max_gen_len", "must be set for evaluate.py",
               self.eval.max_gen_len)
-        at_least(self, "seed", 0)
-        device(self)
-        at_least(self, "cpu_threads", 1)
+        process_keys(self)
 
 
 def _describe(kind) -> str:
@@ -510,16 +523,25 @@ def _coerce(value: Any, kind, key: str) -> Any:
         return tuple(items) if origin is tuple else items
     if dataclasses.is_dataclass(kind):
         return build(kind, value, prefix=key)
-    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if kind is float and isinstance(value, str):
-        try:  # PyYAML reads 1e-5 (no dot) as a string
-            return float(value)
-        except ValueError:
-            pass
+    if kind is float and not isinstance(value, bool):
+        return _finite(value, key)
     if kind is Any or (isinstance(value, kind) and not (kind is int and isinstance(value, bool))):
         return value
     raise ConfigError(f"{key}: expected {_describe(kind)}, got {value!r}")
+
+
+def _finite(value: Any, key: str) -> float:
+    """A float key's value: a number, or a string PyYAML did not read as one (it reads 1e-5, no dot, as a
+    string). Every float key must be finite: inf or nan would train silently wrong, then crash."""
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float's range
+        number = math.inf
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: expected float, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ConfigError(f"{key}: must be a finite number, got {value!r}")
+    return number
 
 
 def build(schema: type[Config], values: dict | None, prefix: str = "") -> Config:

@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from config import DataError
+from inputs import COUNTDOWN_HUB_ID, countdown_files, read_parquet
 
 logger = logging.getLogger("countdown")
 
@@ -40,15 +41,13 @@ INSTRUCTIONS = (
     "Show your work in <think> </think> tags. "
     "And return the final answer in <answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>."
 )
-# task.prompt_template: GRPO:Zero's user turn (the question, then the instructions), or the same words with
-# the question last, so every prompt starts with the same ~110 tokens; the generator and the update run a
-# start shared by all prompts once (generation.prefill, logprobs.AnswerBatch), and only the question differs.
-USER_TEMPLATES = {"reasoning": f"{QUESTION} {INSTRUCTIONS}", "question_last": f"{INSTRUCTIONS} {QUESTION}"}
+# GRPO:Zero's user turn is the question, then the instructions. task.question_last swaps them (same words): every
+# prompt then starts with the same ~110 tokens, which the generator and the update run once per batch
+# (generation.prefill, logprobs.AnswerBatch), and only the question differs.
+USER_TEMPLATE = f"{QUESTION} {INSTRUCTIONS}"
+QUESTION_LAST_TEMPLATE = f"{INSTRUCTIONS} {QUESTION}"
 RESPONSE_PREFILL = "Let me solve this step by step.\n<think>"
 
-HUB_DATASET_ID = "Jiayi-Pan/Countdown-Tasks-3to4"
-HUB_DATASET_URL = f"https://huggingface.co/datasets/{HUB_DATASET_ID}"
-HUB_FILES = "data/*.parquet"  # what read_tasks reads in a data directory: the Hub dataset's layout
 FORMAT_REWARD = 0.1
 ANSWER_REWARD = 1.0
 # Real answers are ~30 characters; the limit bounds the parser's work (and the size of
@@ -63,11 +62,11 @@ EXPRESSION_TOKEN = re.compile(r"[0-9]+|[-+*/()]")
 # ----------------------------------------------------------------------------- prompt
 
 
-def render_prompt(tokenizer, numbers: list[int], target: int, template: str = "reasoning") -> str:
+def render_prompt(tokenizer, numbers: list[int], target: int, question_last: bool = False) -> str:
     """Chat prompt (system + user turn) followed by the response prefill."""
     messages = [
         {"role": "system", "content": SYSTEM_MESSAGE},
-        {"role": "user", "content": USER_TEMPLATES[template].format(numbers=list(numbers), target=target)},
+        {"role": "user", "content": (QUESTION_LAST_TEMPLATE if question_last else USER_TEMPLATE).format(numbers=list(numbers), target=target)},
     ]
     return tokenizer.render_chat(messages, prefill=RESPONSE_PREFILL)
 
@@ -75,35 +74,17 @@ def render_prompt(tokenizer, numbers: list[int], target: int, template: str = "r
 # ----------------------------------------------------------------------------- dataset
 
 
-def missing_data_message(data_dir: Path) -> str:
-    return (
-        f"No CountDown data in {data_dir}: expected parquet files at {data_dir / HUB_FILES}. "
-        f"Set task.data_dir to the Hub id {HUB_DATASET_ID} to download the Hub dataset at start-up (or clone it: "
-        f"`git lfs install && git clone {HUB_DATASET_URL} {data_dir}`), "
-        f"or generate one with `uv run countdown_task.py generate --out {data_dir} --size 100000 --seed 0`."
-    )
-
-
 def read_tasks(data_dir: str | Path) -> pa.Table:
     """All rows of data_dir/data/*.parquet, files in sorted name order."""
-    data_dir = Path(data_dir)
-    files = sorted(data_dir.glob(HUB_FILES))
-    if not files:
-        raise FileNotFoundError(missing_data_message(data_dir))
-    for file in files:
-        with file.open("rb") as parquet_file:
-            if parquet_file.read(4) != b"PAR1":
-                raise ValueError(
-                    f"{file} is not a parquet file (a Git LFS pointer?); run `git lfs install && git lfs pull` in {data_dir}"
-                )
+    files = countdown_files(Path(data_dir))
     return pa.concat_tables([checked_table(file) for file in files], promote_options="default")
 
 
 def checked_table(file: Path) -> pa.Table:
     """One parquet file's rows, after checking that `nums` is a list of ints and `target` an int in every row:
     a string target would never match any answer, so every reward would silently be 0."""
-    table = pq.read_table(file)
-    needed = f"CountDown data needs `nums` (list of ints) and `target` (int), as in {HUB_DATASET_URL}"
+    table = read_parquet(file)
+    needed = f"CountDown data needs `nums` (list of ints) and `target` (int), as in the Hub dataset {COUNTDOWN_HUB_ID}"
     missing_columns = {"nums", "target"} - set(table.column_names)
     if missing_columns:
         raise DataError(f"{file} has columns {table.column_names} but lacks {sorted(missing_columns)}; {needed}")
@@ -133,7 +114,7 @@ class CountdownDataset(torch.utils.data.Dataset):
     a test question."""
 
     def __init__(self, data_dir: str | Path, tokenizer, split: str = "train", test_size: int = 128,
-                 prompt_template: str = "reasoning"):
+                 question_last: bool = False):
         table = read_tasks(data_dir)
         if split not in ("train", "test"):
             raise ValueError(f"split must be 'train' or 'test', got {split!r}")
@@ -150,7 +131,7 @@ class CountdownDataset(torch.utils.data.Dataset):
         if split == "train":
             self.drop_held_out_tasks(table.slice(first_test_row))
         self.tokenizer = tokenizer
-        self.prompt_template = prompt_template
+        self.question_last = question_last
 
     def drop_held_out_tasks(self, test_rows: pa.Table) -> None:
         """Remove training rows that ask a held-out question again (same numbers in any order, same target).
@@ -168,7 +149,7 @@ class CountdownDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict:
         # Rendering and tokenizing lazily keeps construction fast on the 490k-row Hub dataset.
         item = {name: values[index] for name, values in self.columns.items()}
-        item["prompt"] = render_prompt(self.tokenizer, item["nums"], item["target"], self.prompt_template)
+        item["prompt"] = render_prompt(self.tokenizer, item["nums"], item["target"], self.question_last)
         item["prompt_token_ids"] = self.tokenizer.encode(item["prompt"])
         return item
 
@@ -256,8 +237,6 @@ def _apply(symbol: str, values: list[Fraction], steps: list[str] | None = None) 
 
 def sft_response(item: dict) -> str:
     """A reference response for SFT: the solution's operations as the reasoning, then the solution."""
-    if "solution" not in item:
-        raise ValueError("SFT on CountDown needs reference solutions: generate the data with --with-solutions.")
     steps: list[str] = []
     _evaluate(EXPRESSION_TOKEN.findall(item["solution"]), steps)
     return f" {', '.join(steps)} </think>\n<answer> {item['solution']} </answer>"

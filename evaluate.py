@@ -16,13 +16,22 @@ import json
 import logging
 from pathlib import Path
 
+import bootstrap
 import config as config_lib
+import hub
+import inputs
 from config import BootstrapConfig, EvalConfig, EvaluateConfig, RolloutConfig
 
 logger = logging.getLogger("evaluate")
 
 # ----------------------------------------------------------------------------- command line
 # Read and validated before the imports below load torch (seconds): --help and a config error answer at once.
+
+def default_out(model: str, split: str) -> Path:
+    """Beside the model; for a Hub id in the working directory, not in the Hub's cache."""
+    if hub.is_hub_id(model):
+        return Path(f"{model.replace('/', '--')}_eval_{split}.jsonl")
+    return Path(model) / f"eval_{split}.jsonl"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = parser.parse_args(argv)
     args.model = config_lib.expand_path(args.model)  # like every path key: ~ and $VARIABLES
+    args.out = config_lib.expand_path(args.out or default_out(args.model, args.split))
     return args
 
 
@@ -77,8 +87,12 @@ def load_config(args: argparse.Namespace) -> EvaluateConfig:
 
 
 def read_command_line(argv: list[str] | None = None) -> tuple[argparse.Namespace, EvaluateConfig]:
+    """The arguments and the validated config, after checking the model, the data and --out before torch loads."""
     args = parse_args(argv)
-    return args, load_config(args)
+    config = load_config(args)
+    bootstrap.check_inputs(BootstrapConfig(), config.task, config.model, splits=(args.split,))  # Hub ids fetched
+    inputs.check_writable("--out", Path(args.out).parent)
+    return args, config
 
 
 if __name__ == "__main__":
@@ -88,9 +102,7 @@ import torch
 from tqdm import tqdm
 
 import distributed
-import hub
 import tasks
-from bootstrap import check_inputs
 from data_types import QuestionBatch
 from grpo import rollout
 from run_logging import show_progress
@@ -177,20 +189,13 @@ def summarize(samples: list[dict], num_samples: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> None:
     try:
         args, config = read_command_line(argv)
-        run(config, args.split, Path(config_lib.expand_path(args.out or default_out(args.model, args.split))))
+        run(config, args.split, Path(args.out))
     except config_lib.InputError as error:
         config_lib.exit_on_input_error(error)
 
 
-def default_out(model: str, split: str) -> Path:
-    """Beside the model; for a Hub id in the working directory, not in the Hub's cache."""
-    if hub.is_hub_id(model):
-        return Path(f"{model.replace('/', '--')}_eval_{split}.jsonl")
-    return Path(model) / f"eval_{split}.jsonl"
-
 
 def run(config: EvaluateConfig, split: str, out_path: Path) -> None:
-    check_inputs(BootstrapConfig(), config.task, config.model)  # Hub ids fetched; a missing dir: how to get it
     device = distributed.rank_device(resolve_device(config.device))
     set_cpu_threads(config.cpu_threads)
     tokenizer = Tokenizer(config.model.dir)
@@ -201,6 +206,7 @@ def run(config: EvaluateConfig, split: str, out_path: Path) -> None:
                                 config.eval, generator, progress=show_progress(config.progress))
     if not distributed.is_main_process():
         return
+    out_path.parent.mkdir(parents=True, exist_ok=True)
     with open(out_path, "w") as out:
         for sample in samples:
             out.write(json.dumps(sample) + "\n")

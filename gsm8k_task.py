@@ -13,25 +13,20 @@ import json
 import re
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import torch
 from sympy import Rational
 from tqdm import tqdm
 
 import hub
-from config import InputError, exit_on_input_error
+from config import ConfigError, DataError, InputError, exit_on_input_error
 from countdown_task import extract_answer_text, format_reward
+from inputs import GSM8K_DOWNLOAD_HINT, GSM8K_HUB_FILES, gsm8k_files, read_parquet
 
 PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
 THINK_PREFILL = "<think>"
 FORMAT_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 GOLD_ANSWER_MARKER = "####"
 CALCULATOR_ANNOTATION = re.compile(r"<<[^<>]*>>")  # GSM8K's "<<48/2=24>>" calculator calls
-DOWNLOAD_HINT = (
-    "set task.data_dir to the Hub id openai/gsm8k to download GSM8K at start-up, or clone it with "
-    "`git lfs install && git clone https://huggingface.co/datasets/openai/gsm8k` and pass the clone's directory"
-)
-HUB_FILES = "main/*.parquet"  # what a Hub id fetches: both splits of the Hub dataset's "main" config
 
 # ----------------------------------------------------------------------------
 # data
@@ -42,22 +37,14 @@ def load_gsm8k_rows(data_dir: str | Path, split: str) -> list[dict[str, str]]:
 
     Every row is checked before training starts: a bad row is an error naming its file and line (or row).
     """
-    data_dir = Path(data_dir)
-    expected = f"{split}.jsonl or main/{split}-00000-of-00001.parquet"
-    if not data_dir.is_dir():
-        raise FileNotFoundError(f"GSM8K directory {data_dir} does not exist (expected {expected} in it); {DOWNLOAD_HINT}")
-    jsonl_path = data_dir / f"{split}.jsonl"
-    parquet_paths = sorted((data_dir / "main").glob(f"{split}-*.parquet"))
-    if jsonl_path.is_file():
-        located_rows = _read_jsonl_rows(jsonl_path)
-    elif parquet_paths:
-        located_rows = [
-            (f"{path} row {index}", row) for path in parquet_paths for index, row in enumerate(_read_parquet_rows(path))
-        ]
-    else:
-        raise FileNotFoundError(f"GSM8K directory {data_dir} has neither {expected}; {DOWNLOAD_HINT}")
+    located_rows = []
+    for path in gsm8k_files(Path(data_dir), split):
+        if path.suffix == ".jsonl":
+            located_rows += _read_jsonl_rows(path)
+        else:
+            located_rows += [(f"{path} row {index}", row) for index, row in enumerate(read_parquet(path).to_pylist())]
     if not located_rows:
-        raise ValueError(f"GSM8K {split} split in {data_dir} has no rows; {DOWNLOAD_HINT}")
+        raise DataError(f"GSM8K {split} split in {data_dir} has no rows; {GSM8K_DOWNLOAD_HINT}")
     for where, row in located_rows:
         _check_row(row, where)
     return [row for _, row in located_rows]
@@ -74,35 +61,28 @@ def _read_jsonl_rows(path: Path) -> list[tuple[str, object]]:
                 try:
                     located_rows.append((f"{path}:{line_number}", json.loads(line)))
                 except json.JSONDecodeError as error:
-                    raise ValueError(
+                    raise DataError(
                         f"{path}:{line_number}: not valid JSON ({error.msg} at column {error.colno}); "
                         "each line must be one object {'question': ..., 'answer': ...}"
                     ) from None
     except UnicodeDecodeError as error:
-        raise ValueError(f"{path} is not UTF-8 text ({error}); GSM8K's JSONL files are UTF-8") from None
+        raise DataError(f"{path} is not UTF-8 text ({error}); GSM8K's JSONL files are UTF-8") from None
     return located_rows
 
 
 def _check_row(row: object, where: str) -> None:
     if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected a JSON object {{'question': ..., 'answer': ...}}, got {str(row)[:100]}")
+        raise DataError(f"{where}: expected a JSON object {{'question': ..., 'answer': ...}}, got {str(row)[:100]}")
     if not isinstance(row.get("question"), str) or not isinstance(row.get("answer"), str) or (
         GOLD_ANSWER_MARKER not in row["answer"]
     ):
-        raise ValueError(
+        raise DataError(
             f"{where}: not {{'question': str, 'answer': '... #### <answer>'}}: {str(row)[:200]}; "
             "point --data at the 'main' GSM8K configuration"
         )
     gold = extract_gold_answer(row["answer"])
     if parse_answer(gold) is None:
-        raise ValueError(f"{where}: the gold answer {gold[:100]!r} after '####' is not a number; no answer can match it")
-
-
-def _read_parquet_rows(path: Path) -> list[dict[str, str]]:
-    with path.open("rb") as parquet_file:
-        if parquet_file.read(4) != b"PAR1":
-            raise ValueError(f"{path} is not a parquet file (a git-lfs pointer?); run `git lfs pull` in the GSM8K clone")
-    return pq.read_table(path, columns=["question", "answer"]).to_pylist()
+        raise DataError(f"{where}: the gold answer {gold[:100]!r} after '####' is not a number; no answer can match it")
 
 
 def extract_gold_answer(solution: str) -> str:
@@ -124,10 +104,11 @@ def load_prompt_template(name_or_path: str | Path) -> str:
         path = Path(name_or_path)
     if not path.is_file():
         names = sorted(template_path.stem for template_path in PROMPTS_DIR.glob("*.txt"))
-        raise FileNotFoundError(f"prompt template {str(name_or_path)!r} is neither one of {names} nor a file")
+        raise ConfigError(f"task.prompt_template: {str(name_or_path)!r} is neither one of {names} nor a file")
     template = path.read_text(encoding="utf-8").removesuffix("\n")  # the newline that ends every text file
     if "{question}" not in template:
-        raise ValueError(f"prompt template {path} has no '{{question}}' placeholder; add one where the question goes")
+        raise ConfigError(f"task.prompt_template: {path} has no '{{question}}' placeholder; add one where the question "
+                          "goes")
     return template
 
 
@@ -458,7 +439,7 @@ def main(argv: list[str] | None = None) -> None:
     sft_data.add_argument("--prompt-template", default="reasoning", help="name in prompts/ or a template file")
     args = parser.parse_args(argv)
     try:
-        data_dir = hub.local_dir(args.data, repo_type="dataset", files=[HUB_FILES], key="--data")
+        data_dir = hub.local_dir(args.data, repo_type="dataset", files=[GSM8K_HUB_FILES], key="--data")
     except InputError as error:
         exit_on_input_error(error)
     count = write_sft_data(data_dir, args.out, args.split, args.prompt_template)

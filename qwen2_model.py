@@ -22,16 +22,10 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from inputs import read_hf_config, weight_files
 from logprobs import chunked_token_log_probs
 
 logger = logging.getLogger(__name__)
-
-
-def download_hint(model_dir: Path) -> str:
-    # A directory named like a Hub model (Qwen2.5-Math-1.5B, ...) gets that model's id and clone command.
-    name = model_dir.name if model_dir.name.startswith("Qwen") else "Qwen2.5-3B-Instruct"
-    return (f"Give a Hub id to download it at start-up (e.g. model.dir=Qwen/{name}), or clone it first:\n"
-            f"  git lfs install && git clone https://huggingface.co/Qwen/{name} {model_dir}")
 
 
 # model_type -> the transformers class whose math (and config defaults) each architecture follows.
@@ -468,36 +462,6 @@ def weights_hint(hf_config: dict, missing: set[str]) -> str:
 
 def hf_name(name: str) -> str:
     return name if name.startswith("lm_head.") else f"model.{name}"
-
-
-def read_hf_config(model_dir: Path) -> dict:
-    if not model_dir.is_dir():
-        raise FileNotFoundError(f"Model directory '{model_dir}' does not exist.\n{download_hint(model_dir)}")
-    config_path = model_dir / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(
-            f"'{model_dir}' has no config.json, so it is not a Hugging Face model directory.\n{download_hint(model_dir)}"
-        )
-    return json.loads(config_path.read_text())
-
-
-def weight_files(model_dir: Path) -> list[Path]:
-    index_path = model_dir / "model.safetensors.index.json"
-    if index_path.is_file():
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
-    else:
-        files = [model_dir / "model.safetensors"]
-    for file in files:
-        if not file.is_file():
-            raise FileNotFoundError(f"Weight file '{file}' is missing.\n{download_hint(model_dir)}")
-        with open(file, "rb") as handle:
-            if handle.read(7) == b"version":
-                raise ValueError(
-                    f"'{file}' is a git-lfs pointer, not the weights: run `git lfs install && git lfs pull` "
-                    f"inside {model_dir}."
-                )
-    return files
 
 
 def load_safetensors(model_dir: Path, device, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -19,12 +19,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_device(name: str) -> torch.device:
-    """'auto' picks CUDA when present, else the CPU; asking for CUDA without one is an error."""
+    """'auto' picks CUDA when present, else the CPU; asking for a device this machine lacks is a config error."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device: {name} was requested but no CUDA GPU is visible; use device: auto or cpu.")
+        raise config_lib.ConfigError(f"device: {name} was requested but no CUDA GPU is visible; use device: auto or cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise config_lib.ConfigError(f"device: {name} was requested but only {torch.cuda.device_count()} CUDA GPU(s) "
+                                     f"are visible (cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise config_lib.ConfigError("device: mps was requested but this machine has no Apple GPU; use device: auto or cpu")
     return device
 
 

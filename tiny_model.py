@@ -96,14 +96,14 @@ FAMILIES = {
 
 def task_like_corpus(seed: int, num_lines: int = 3000) -> list[str]:
     """Text shaped like CountDown and GSM8K prompts and answers, to train the BPE merges on."""
-    from countdown_task import RESPONSE_PREFILL, SYSTEM_MESSAGE, USER_TEMPLATES
+    from countdown_task import RESPONSE_PREFILL, SYSTEM_MESSAGE, USER_TEMPLATE
 
     rng = random.Random(seed)
     lines = []
     for _ in range(num_lines):
         numbers = [rng.randint(1, 100) for _ in range(rng.randint(3, 4))]
         target = rng.randint(1, 200)
-        user = USER_TEMPLATES["reasoning"].format(numbers=numbers, target=target)
+        user = USER_TEMPLATE.format(numbers=numbers, target=target)
         # The chat template's text around the messages, without its special tokens.
         lines.append(f"system\n{SYSTEM_MESSAGE}\nuser\n{user}\nassistant\n{RESPONSE_PREFILL}")
         ops = [rng.choice("+-*/") for _ in numbers[1:]]

@@ -1,11 +1,13 @@
 """The tokenizer of a Hugging Face model directory: tokenizer.json plus the chat template."""
 
-import json
 from pathlib import Path
 
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as RustTokenizer
+
+from config import DataError
+from inputs import check_tokenizer_files, read_json
 
 
 def _token_text(value) -> str | None:
@@ -22,19 +24,16 @@ class Tokenizer:
         model_dir = Path(model_dir)
         tokenizer_path = model_dir / "tokenizer.json"
         config_path = model_dir / "tokenizer_config.json"
-        for path in (tokenizer_path, config_path):
-            if not path.is_file():
-                raise FileNotFoundError(
-                    f"'{path}' is missing: the model directory must hold the Hugging Face tokenizer files "
-                    "(tokenizer.json, tokenizer_config.json), as a clone of e.g. "
-                    "https://huggingface.co/Qwen/Qwen2.5-3B-Instruct does."
-                )
-        self.tokenizer = RustTokenizer.from_file(str(tokenizer_path))
-        config = json.loads(config_path.read_text())
+        check_tokenizer_files(model_dir)
+        try:
+            self.tokenizer = RustTokenizer.from_file(str(tokenizer_path))
+        except Exception as error:  # the Rust library's own exception type, whatever the damage
+            raise DataError(f"{tokenizer_path} cannot be read ({error}); copy or download it again") from None
+        config = read_json(config_path)
         self.eos_token = _token_text(config.get("eos_token"))
         self.pad_token = _token_text(config.get("pad_token")) or self.eos_token
         if self.eos_token is None:
-            raise ValueError(f"{config_path} defines no eos_token.")
+            raise DataError(f"{config_path} defines no eos_token.")
         self.eos_token_id = self.tokenizer.token_to_id(self.eos_token)
         self.pad_token_id = self.tokenizer.token_to_id(self.pad_token)
         self.bos_token = _token_text(config.get("bos_token"))

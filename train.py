@@ -10,8 +10,10 @@ import logging
 import time
 from pathlib import Path
 
+import bootstrap
 import checkpoint
 import config as config_lib
+import inputs
 from config import LossConfig, TrainConfig
 
 # ----------------------------------------------------------------------------- command line
@@ -33,11 +35,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def read_command_line(argv: list[str] | None = None) -> tuple[argparse.Namespace, TrainConfig]:
+    """The arguments and the validated config, after checking every input that can be checked before torch loads."""
     args = parse_args(argv)
     if args.resume and args.overwrite:
         raise config_lib.ConfigError("--overwrite starts a run over, --resume continues one: pass only one")
-    config_paths = args.config or [checkpoint.find(args.resume) / "config.yaml" if args.resume else "config.yaml"]
-    return args, config_lib.load(TrainConfig, config_paths, args.set)
+    checkpoint_dir = checkpoint.find(args.resume) if args.resume else None
+    # A run that stopped before its first checkpoint has only its run directory's config.yaml: it starts over.
+    stored_config = args.resume and (checkpoint_dir or Path(args.resume)) / checkpoint.RUN_CONFIG
+    config = config_lib.load(TrainConfig, args.config or [stored_config or "config.yaml"], args.set)
+    continue_in_resumed_run(config, args.resume)
+    check_inputs(config, checkpoint_dir)
+    return args, config
+
+
+def continue_in_resumed_run(config: TrainConfig, resume: str | None) -> None:
+    """A resumed run goes on in the directory it was resumed from, whatever its stored config says."""
+    if resume:
+        run_dir = checkpoint.run_directory_of(resume)
+        config.run_name, config.checkpoint.dir = run_dir.name, str(run_dir.parent)
+
+
+def check_inputs(config: TrainConfig, checkpoint_dir: Path | None) -> None:
+    """Model, data, the directories the run writes and the lengths the model allows, checked before torch loads:
+    a mistake is answered at once and creates nothing. (What the bootstrap builds is checked as it loads.)"""
+    bootstrap.check_inputs(config.bootstrap, config.task, None if checkpoint_dir else config.model)
+    model_dir = Path(checkpoint_dir or config.model.dir)  # resuming, the checkpoint is the model
+    hf_config = inputs.read_hf_config(model_dir) if model_dir.is_dir() else {}  # not yet built: checked as it loads
+    if "max_position_embeddings" in hf_config:
+        config.validate_for_model(hf_config["max_position_embeddings"])
+    for key, directory in (("checkpoint.dir", config.checkpoint.dir), ("logging.log_dir", config.logging.log_dir)):
+        inputs.check_writable(key, Path(directory) / (config.run_name or ""))  # no name yet: a new directory in it
 
 
 if __name__ == "__main__":
@@ -45,7 +72,6 @@ if __name__ == "__main__":
 
 import torch
 
-import bootstrap
 import distributed
 import tasks
 from data_types import Episode, QuestionBatch
@@ -62,6 +88,18 @@ logger = logging.getLogger("train")
 
 
 # ----------------------------------------------------------------------------- data order
+
+
+PROMPTS_CHECKED = 64  # prompts check_prompts_fit tokenizes: enough to find one that fits, few enough to be instant
+
+
+def check_prompts_fit(dataset, max_prompt_len: int) -> None:
+    """Refuse a rollout.max_prompt_len that none of the first training prompts fits: make_batch would leave out
+    (nearly) every question, and searching all of CountDown's 490k rows for one that fits takes minutes."""
+    shortest = min(len(dataset[index]["prompt_token_ids"]) for index in range(min(len(dataset), PROMPTS_CHECKED)))
+    config_lib.check(shortest <= max_prompt_len, "rollout.max_prompt_len", f"none of the first {PROMPTS_CHECKED} "
+                     f"training prompts fits (the shortest has {shortest} tokens): raise it to at least {shortest}",
+                     max_prompt_len)
 
 
 def make_batch(dataset, indices: list[int], max_prompt_len: int) -> QuestionBatch:
@@ -112,20 +150,22 @@ def train(config: TrainConfig, resume: str | None = None, overwrite: bool = Fals
     """Run GRPO as configured; returns the last evaluation's metrics (empty if none ran)."""
     device = set_up_process(config.device, config.cpu_threads, config.seed)
     checkpoint_dir, run_claim = start_run(config, resume, overwrite)
-    # A checkpoint holds the policy and a copy of the tokenizer, so it is a complete model directory.
-    model_dir = checkpoint_dir or Path(config.model.dir)
-    tokenizer = Tokenizer(model_dir)
-    train_set, test_set = (tasks.load_dataset(config.task, tokenizer, split) for split in ("train", "test"))
-    reward_for_item = tasks.reward_function(config.task)
-    model, policy = load_policy(config.model, model_dir, device, config.distributed.fsdp)
-    config.validate_for_model(model.config.max_position_embeddings)
-    reference_model = None
-    if config.loss.kl_beta:  # the KL anchor: the initial policy (model.dir, also on resume), frozen, same dtype
-        reference_model = load_model(config.model, device).requires_grad_(False).eval()
-    optimizer = new_adamw(model.parameters(), config.optim)
-    optimizer_step = distributed.OptimizerStep(policy, optimizer, config.optim.max_grad_norm)
-    generator = torch.Generator(device=device).manual_seed(config.seed + distributed.rank())
-    start_step = restore_trainer_state(checkpoint_dir, model, optimizer, generator) if checkpoint_dir else 0
+    with checkpoint.released_on_error(run_claim):  # refused while loading: no lock or empty directory is left
+        # A checkpoint holds the policy and a copy of the tokenizer, so it is a complete model directory.
+        model_dir = checkpoint_dir or Path(config.model.dir)
+        tokenizer = Tokenizer(model_dir)
+        train_set, test_set = (tasks.load_dataset(config.task, tokenizer, split) for split in ("train", "test"))
+        check_prompts_fit(train_set, config.rollout.max_prompt_len)
+        reward_for_item = tasks.reward_function(config.task)
+        model, policy = load_policy(config.model, model_dir, device, config.distributed.fsdp)
+        config.validate_for_model(model.config.max_position_embeddings)
+        reference_model = None
+        if config.loss.kl_beta:  # the KL anchor: the initial policy (model.dir, also on resume), frozen, same dtype
+            reference_model = load_model(config.model, device).requires_grad_(False).eval()
+        optimizer = new_adamw(model.parameters(), config.optim)
+        optimizer_step = distributed.OptimizerStep(policy, optimizer, config.optim.max_grad_norm)
+        generator = torch.Generator(device=device).manual_seed(config.seed + distributed.rank())
+        start_step = restore_trainer_state(checkpoint_dir, model, optimizer, generator) if checkpoint_dir else 0
     run_logger = open_run(config, start_step)  # rank 0 only
     progress = show_progress(config.progress) and distributed.is_main_process()
     logger.info("run %s on %s: %d train / %d test questions, logs in %s", config.run_name, device, len(train_set),
@@ -173,20 +213,21 @@ def train(config: TrainConfig, resume: str | None = None, overwrite: bool = Fals
 
 def start_run(config: TrainConfig, resume: str | None, overwrite: bool) -> tuple[Path | None, checkpoint.RunClaim | None]:
     """Name the run, take its directories (rank 0) and create the demo's missing inputs; returns the
-    checkpoint to resume from (or None) and the claim to release at the end."""
-    if resume:  # the run goes on in the directory it was resumed from
-        resumed_run = checkpoint.run_directory_of(resume)
-        config.run_name, config.checkpoint.dir = resumed_run.name, str(resumed_run.parent)
+    checkpoint to resume from (None: a new run, or one that stopped before its first checkpoint) and the
+    claim to release at the end."""
+    checkpoint_dir = checkpoint.find(resume) if resume else None
+    continue_in_resumed_run(config, resume)
     config.run_name = config.run_name or agreed_run_name()
-    base_model = None if resume else config.model  # resuming, the checkpoint is the model
+    base_model = None if checkpoint_dir else config.model  # resuming, the checkpoint is the model
     bootstrap.check_inputs(config.bootstrap, config.task, base_model)  # before the run directory exists; Hub ids fetched
     run_claim = None
     if distributed.is_main_process():
         run_claim = checkpoint.claim_run(Path(config.checkpoint.dir) / config.run_name,
-                                         Path(config.logging.log_dir) / config.run_name, bool(resume), overwrite)
+                                         Path(config.logging.log_dir) / config.run_name, bool(checkpoint_dir), overwrite)
     if distributed.world_size() == 1:  # ranks would race to write the same files: bootstrap single-process
-        bootstrap.prepare_missing_inputs(config.bootstrap, config.task, base_model)
-    return (checkpoint.find(resume) if resume else None), run_claim
+        with checkpoint.released_on_error(run_claim):
+            bootstrap.prepare_missing_inputs(config.bootstrap, config.task, base_model)
+    return checkpoint_dir, run_claim
 
 
 def restore_trainer_state(checkpoint_dir: Path, model, optimizer, generator: torch.Generator) -> int:
@@ -339,7 +380,11 @@ def save_checkpoint(config: TrainConfig, step: int, model, optimizer, generator:
                                                                  "rng": rng_state()})}
     if distributed.is_main_process():
         run_directory = Path(config.checkpoint.dir) / config.run_name
-        path = checkpoint.save(run_directory / f"step_{step:06d}", savable, model_dir, config, trainer_state)
+        try:
+            path = checkpoint.save(run_directory / f"step_{step:06d}", savable, model_dir, config, trainer_state)
+        except checkpoint.CheckpointError as error:  # a full disk, a directory gone read-only
+            raise checkpoint.CheckpointError(f"{error}; once it can be written, continue the run with "
+                                             f"--resume {run_directory}") from None
         logger.info("saved checkpoint %s", path)
         checkpoint.prune(run_directory, config.checkpoint.keep_last)
     distributed.barrier()  # no rank goes on (and may read it) before the checkpoint is complete

@@ -18,7 +18,9 @@ import math
 import time
 from pathlib import Path
 
+import bootstrap
 import config as config_lib
+import inputs
 from config import BootstrapConfig, SFTConfig, SFTOptimConfig
 
 # ----------------------------------------------------------------------------- command line
@@ -26,40 +28,42 @@ from config import BootstrapConfig, SFTConfig, SFTOptimConfig
 
 
 def read_command_line(argv: list[str] | None = None) -> tuple[argparse.Namespace, SFTConfig]:
+    """The arguments and the validated config, after checking every input that can be checked before torch loads."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", action="append", required=True, help="YAML config; repeat to merge several in order")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     args = parser.parse_args(argv)
-    return args, config_lib.load(SFTConfig, args.config, args.set)
+    config = config_lib.load(SFTConfig, args.config, args.set)
+    check_inputs(config)
+    return args, config
 
 
-if __name__ == "__main__":
-    config_lib.check_command_line(read_command_line)
+def check_inputs(config: SFTConfig) -> None:
+    """The model, the pairs' files or the task's data, and the directories written, before torch loads."""
+    # The pairs come from the JSONL files or from the task's training split (then with its reference solutions);
+    # the evaluations may answer the task's questions. Hub ids are fetched here.
+    splits = (() if config.data.train_jsonl else ("train",)) + (
+        ("test",) if answers_task_questions(config) and (config.data.train_jsonl or config.data.eval_jsonl) else ())
+    bootstrap.check_inputs(BootstrapConfig(), config.task if splits else None, config.model, splits=splits,
+                           with_solutions=not config.data.train_jsonl)
+    for key in ("train_jsonl", "eval_jsonl"):
+        if getattr(config.data, key):
+            with inputs.named(f"data.{key}"):
+                read_pairs(getattr(config.data, key))
+    inputs.check_writable("output_dir", config.output_dir)
+    inputs.check_writable("logging.log_dir", Path(config.logging.log_dir) / (config.run_name or ""))
 
-import torch
-from tqdm import tqdm
 
-import checkpoint
-import distributed
-import tasks
-from bootstrap import check_inputs
-from evaluate import run_evaluation
-from logprobs import answer_batch, answer_log_probs
-from optimizer import new_adamw
-from run_logging import RunLogger, show_progress
-from runtime import agreed_run_name, load_policy, set_up_process, step_indices
-from tokenizer import Tokenizer
-
-logger = logging.getLogger("train_sft")
-LOG_INTERVAL = 20  # steps between log lines when there is no progress bar
-
-# ----------------------------------------------------------------------------- data and loss
+def answers_task_questions(config: SFTConfig) -> bool:
+    """Whether the evaluations answer the task's questions (task_eval_set), beside the held-out loss."""
+    return bool(config.eval.interval) and config.eval.max_questions != 0
 
 
 def read_pairs(path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"SFT data file '{path}' does not exist (JSONL with \"prompt\" and \"response\" keys).")
+        raise config_lib.MissingInputError(f"SFT data file '{path}' does not exist (JSONL with \"prompt\" and "
+                                           "\"response\" keys)")
     # Iterate over the file's lines, not str.splitlines(): that also splits at U+2028, which GSM8K contains.
     pairs = []
     with path.open(encoding="utf-8-sig") as lines:
@@ -80,17 +84,38 @@ def read_pairs(path) -> list[dict]:
     return pairs
 
 
+if __name__ == "__main__":
+    config_lib.check_command_line(read_command_line)
+
+import torch
+from tqdm import tqdm
+
+import checkpoint
+import distributed
+import tasks
+from evaluate import run_evaluation
+from logprobs import answer_batch, answer_log_probs
+from optimizer import new_adamw
+from run_logging import RunLogger, show_progress
+from runtime import agreed_run_name, load_policy, set_up_process, step_indices
+from tokenizer import Tokenizer
+
+logger = logging.getLogger("train_sft")
+LOG_INTERVAL = 20  # steps between log lines when there is no progress bar
+
+# ----------------------------------------------------------------------------- data and loss
+
+
 def tokenize_pairs(pairs: list[dict], tokenizer, max_seq_len: int) -> list[tuple[list[int], int]]:
-    """(token ids, number of prompt tokens) per pair; the response ends with eos."""
-    examples = []
+    """(token ids, number of prompt tokens) per pair that fits max_seq_len; the response ends with eos."""
+    tokenized = []
     for pair in pairs:
         prompt_ids = tokenizer.encode(pair["prompt"])
-        ids = prompt_ids + tokenizer.encode(pair["response"]) + [tokenizer.eos_token_id]
-        if len(ids) <= max_seq_len:
-            examples.append((ids, len(prompt_ids)))
-    if not examples:
-        raise ValueError(f"no SFT example fits data.max_seq_len={max_seq_len}; raise it.")
-    return examples
+        tokenized.append((prompt_ids + tokenizer.encode(pair["response"]) + [tokenizer.eos_token_id], len(prompt_ids)))
+    shortest = min(len(ids) for ids, _ in tokenized)
+    config_lib.check(shortest <= max_seq_len, "data.max_seq_len", f"no SFT example fits (the shortest has {shortest} "
+                     f"tokens): raise it to at least {shortest}", max_seq_len)
+    return [(ids, prompt_length) for ids, prompt_length in tokenized if len(ids) <= max_seq_len]
 
 
 def load_examples(config: SFTConfig, tokenizer):
@@ -101,6 +126,8 @@ def load_examples(config: SFTConfig, tokenizer):
     if config.data.eval_jsonl:
         eval_pairs = read_pairs(config.data.eval_jsonl)
     else:
+        config_lib.check(config.data.eval_size < len(train_pairs), "data.eval_size", f"must leave training pairs: "
+                         f"below the {len(train_pairs)} pairs there are", config.data.eval_size)
         eval_pairs, train_pairs = train_pairs[-config.data.eval_size :], train_pairs[: -config.data.eval_size]
     return (tokenize_pairs(train_pairs, tokenizer, config.data.max_seq_len),
             tokenize_pairs(eval_pairs, tokenizer, config.data.max_seq_len))
@@ -142,11 +169,6 @@ def learning_rate(step: int, config: SFTOptimConfig) -> float:
     return config.learning_rate * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def answers_task_questions(config: SFTConfig) -> bool:
-    """Whether the evaluations answer the task's questions (task_eval_set), beside the held-out loss."""
-    return bool(config.eval.interval) and config.eval.max_questions != 0
-
-
 def task_eval_set(config: SFTConfig, tokenizer) -> torch.utils.data.Dataset:
     """The questions whose success SFT reports: those of the held-out pairs when the pairs come from the task's
     training split (never trained on, and the test split stays unseen until GRPO), else the test split."""
@@ -177,14 +199,15 @@ def reached_target(metrics: dict, config: SFTOptimConfig) -> bool:
 def train_sft(config: SFTConfig) -> dict:
     """Fine-tune config.model.dir into config.output_dir; returns the last evaluation's metrics and the steps run."""
     device = set_up_process(config.device, config.cpu_threads, config.seed)
-    config.run_name = config.run_name or agreed_run_name("sft-")
-    # One process per log directory, so two runs of one name never mix their curves.
-    log_claim = checkpoint.RunClaim([Path(config.logging.log_dir) / config.run_name], "wait for it to end or pick "
-                                    "another name (--set run_name=NAME)") if distributed.is_main_process() else None
-    model, policy = load_policy(config.model, config.model.dir, device, config.distributed.fsdp)
-    tokenizer = Tokenizer(config.model.dir)
+    tokenizer = Tokenizer(config.model.dir)  # the data before the model: a data error comes before minutes of loading
     train_examples, eval_examples = load_examples(config, tokenizer)
     eval_set = task_eval_set(config, tokenizer) if answers_task_questions(config) else None
+    model, policy = load_policy(config.model, config.model.dir, device, config.distributed.fsdp)
+    config.run_name = config.run_name or agreed_run_name("sft-")
+    # One process per log directory, so two runs of one name never mix their curves. Taken once every input
+    # has loaded: a refused run creates nothing.
+    log_claim = checkpoint.RunClaim([Path(config.logging.log_dir) / config.run_name], "wait for it to end or pick "
+                                    "another name (--set run_name=NAME)") if distributed.is_main_process() else None
     optim = config.optim
     optimizer = new_adamw(model.parameters(), optim)
     optimizer_step = distributed.OptimizerStep(policy, optimizer, optim.max_grad_norm)
@@ -250,8 +273,6 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     try:
         _, config = read_command_line(argv)
-        uses_task = not config.data.train_jsonl or answers_task_questions(config)  # for its pairs or its questions
-        check_inputs(BootstrapConfig(), config.task if uses_task else None, config.model)
         train_sft(config)
     except config_lib.InputError as error:  # config or data: one line, exit code 2
         config_lib.exit_on_input_error(error)

@@ -12,6 +12,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/results-gpu}"
 MODEL="${MODEL:-qwen2.5-0.5b}"
+if [[ "${DRY_RUN:-0}" != 1 ]] && ! nvidia-smi -L >/dev/null 2>&1; then  # before anything is created
+  echo "bench/gpu.sh needs an NVIDIA GPU and nvidia-smi finds none here; DRY_RUN=1 bash bench/gpu.sh runs the same" \
+    "commands on the CPU at toy sizes" >&2
+  exit 2
+fi
 mkdir -p "$OUT"
 
 # Timeouts in seconds (a dry run on a busy CPU gets ten times as long).

@@ -12,11 +12,14 @@ and with math-verify (the dev dependency), and prints the agreement of each form
 
 import argparse
 import json
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import math_verify
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also run as a file: uv run bench/gsm8k_grader.py
 
 from gsm8k_task import (
     MAX_ANSWER_CHARS, answers_match, extract_gold_answer, load_gsm8k_rows, reward_function,

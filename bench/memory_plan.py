@@ -11,10 +11,13 @@ Not counted: the CUDA context and allocator fragmentation (typically 0.5-1.5 GB 
 """
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also run as a file: uv run bench/memory_plan.py
 
 from bench.report import emit_json
 from qwen2_model import ModelConfig, Transformer

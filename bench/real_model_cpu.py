@@ -59,7 +59,7 @@ def evaluate_stage(name: str, model_dir: Path, temperature: float, config: Train
         "evaluate.py", "--model", str(model_dir), "--data", config.task.data_dir, "--split", "test",
         "--temperature", str(temperature), "--samples", "1", "--threads", str(threads),
         "--max-questions", str(config.task.test_size), "--out", str(out),
-        "--set", f"task.test_size={config.task.test_size}", "--set", f"task.prompt_template={config.task.prompt_template}",
+        "--set", f"task.test_size={config.task.test_size}", "--set", f"task.question_last={config.task.question_last}",
         "--set", f"eval.batch_size={config.eval.batch_size}", "--set", f"eval.max_gen_len={config.rollout.max_gen_len}",
         "--set", f"seed={config.seed}", "--set", "progress=false"], work)
     return stage, success(out)

@@ -8,7 +8,11 @@ countdown_task.MAX_ANSWER_CHARS, and the tag checks are linear in the response l
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also run as a file: uv run bench/reward_throughput.py
 
 from countdown_task import MAX_ANSWER_CHARS, reward_function
 

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also run as a file: uv run bench/rollout.py
+
 import generation
 from bench.report import emit_json
 from generation import generate

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also run as a file: uv run bench/step_vs_trl.py
+
 from bench.report import emit_json
 
 # Before transformers/TRL are imported anywhere in the worker: nothing may reach the network.

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also run as a file: uv run bench/update.py
+
 from bench.report import emit_json
 from bench.rollout import SHAPES
 from config import LossConfig, OptimConfig

@@ -37,7 +37,7 @@ def assert_finite_losses(log_dir: Path, tag: str, at_least: int) -> None:
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_sft_and_grpo_steps_in_bfloat16(tmp_path, tiny_model_dir, countdown_dir, digit_reward, checkpointing):
     common = ["model.dtype=bfloat16", f"model.gradient_checkpointing={checkpointing}",
-              "task.prompt_template=question_last"]
+              "task.question_last=true"]
     train_sft.train_sft(sft_config(tmp_path, tiny_model_dir, countdown_dir, *common, "optim.num_steps=3",
                                    "eval.interval=0"))
     assert_finite_losses(tmp_path / "logs" / "sft", "train/loss", 3)

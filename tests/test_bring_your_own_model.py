@@ -94,7 +94,7 @@ def test_countdown_sft_then_grpo(tmp_path, model_dir, countdown_dir, monkeypatch
     train_examples, _ = train_sft.load_examples(config, Tokenizer(sft_dir))
     item = tasks.load_dataset(config.task, Tokenizer(sft_dir), "train")[len(train_examples) - 1]
     messages = [{"role": "system", "content": countdown_task.SYSTEM_MESSAGE},
-                {"role": "user", "content": countdown_task.USER_TEMPLATES["reasoning"].format(numbers=item["nums"], target=item["target"])}]
+                {"role": "user", "content": countdown_task.USER_TEMPLATE.format(numbers=item["nums"], target=item["target"])}]
     assert_prompts_follow_the_chat_template(sft_dir, train_examples[-1:], messages, countdown_task.RESPONSE_PREFILL)
 
     # A few SFT steps rarely earn CountDown reward, so GRPO here rewards digits: every step has a gradient.

@@ -17,10 +17,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # (override, the message's start); each would otherwise train silently wrong or crash later.
 BAD_TRAIN_VALUES = [
-    ("optim.max_grad_norm=-1", "optim.max_grad_norm: must be > 0, got -1.0"),
-    ("optim.max_grad_norm=0", "optim.max_grad_norm: must be > 0, got 0.0"),
-    ("loss.advantage_eps=-1", "loss.advantage_eps: must be > 0, got -1.0"),
-    ("rollout.temperature=0", "rollout.temperature: must be > 0, got 0.0"),
+    ("optim.max_grad_norm=-1", "optim.max_grad_norm: must be in (0, 10000], got -1.0"),
+    ("optim.max_grad_norm=0", "optim.max_grad_norm: must be in (0, 10000], got 0.0"),
+    ("loss.advantage_eps=-1", "loss.advantage_eps: must be in (0, 1], got -1.0"),
+    ("rollout.temperature=0", "rollout.temperature: must be in (0, 10], got 0.0"),
     ("checkpoint.interval=-1", "checkpoint.interval: must be >= 0, got -1"),
     ("checkpoint.keep_last=0", "checkpoint.keep_last: must be >= 1, got 0"),
     ("eval.interval=-1", "eval.interval: must be >= 0, got -1"),
@@ -40,26 +40,42 @@ BAD_TRAIN_VALUES = [
     ("rollout.max_gen_len=0", "rollout.max_gen_len: must be >= 1, got 0"),
     ("rollout.top_p=2", "rollout.top_p: must be in (0, 1], got 2.0"),
     ("rollout.top_p=0", "rollout.top_p: must be in (0, 1], got 0.0"),
-    ("optim.learning_rate=-1", "optim.learning_rate: must be > 0, got -1.0"),
+    ("optim.learning_rate=-1", "optim.learning_rate: must be in (0, 1], got -1.0"),
     ("optim.betas=[1.5,-1]", "optim.betas: each must be in [0, 1), got [1.5, -1.0]"),
-    ("optim.eps=0", "optim.eps: must be > 0, got 0.0"),
-    ("optim.weight_decay=-0.1", "optim.weight_decay: must be >= 0, got -0.1"),
+    ("optim.eps=0", "optim.eps: must be in (0, 1), got 0.0"),
+    ("optim.weight_decay=-0.1", "optim.weight_decay: must be in [0, 1], got -0.1"),
     ("optim.logprob_chunk_size=0", "optim.logprob_chunk_size: must be >= 1, got 0"),
     ("optim.num_steps=0", "optim.num_steps: must be >= 1, got 0"),
     ("optim.micro_batch_size=0", "optim.micro_batch_size: must be >= 1, got 0"),
     ("eval.batch_size=0", "eval.batch_size: must be >= 1, got 0"),
     ("eval.num_samples=0", "eval.num_samples: must be >= 1, got 0"),
-    ("eval.temperature=-1", "eval.temperature: must be >= 0, got -1.0"),
+    ("eval.temperature=-1", "eval.temperature: must be in [0, 10], got -1.0"),
     ("eval.top_p=1.5", "eval.top_p: must be in (0, 1], got 1.5"),
     ("eval.max_gen_len=0", "eval.max_gen_len: must be >= 1, got 0"),
     ("task.test_size=0", "task.test_size: must be >= 1, got 0"),
     ("task.data_dir=''", "task.data_dir: must be a non-empty path"),
     ("model.dir=''", "model.dir: must be a non-empty path"),
-    ("cpu_threads=0", "cpu_threads: must be >= 1, got 0"),
+    ("cpu_threads=0", "cpu_threads: must be in [1, 1024], got 0"),
     ("device=tpu", "device: must be auto, cpu, cuda, cuda:N or mps, got 'tpu'"),
     ("device=cuda:x", "device: must be auto, cpu, cuda, cuda:N or mps, got 'cuda:x'"),
-    ("seed=-1", "seed: must be >= 0, got -1"),
-    ("optim.max_grad_norm=.nan", "optim.max_grad_norm: must be > 0, got nan"),
+    ("seed=-1", "seed: must be in [0, 4294967295], got -1"),
+    ("optim.max_grad_norm=.nan", "optim.max_grad_norm: must be a finite number, got nan"),
+    # Accepted before, then ruined the run (NaN weights, a crash at step 2) or the machine.
+    ("optim.learning_rate=inf", "optim.learning_rate: must be a finite number, got 'inf'"),
+    ("optim.learning_rate=.inf", "optim.learning_rate: must be a finite number, got inf"),
+    ("loss.kl_beta=1e999", "loss.kl_beta: must be a finite number, got '1e999'"),
+    ("loss.kl_beta=100", "loss.kl_beta: must be in [0, 10], got 100.0"),
+    ("optim.max_grad_norm=inf", "optim.max_grad_norm: must be a finite number, got 'inf'"),
+    ("optim.weight_decay=1e300", "optim.weight_decay: must be in [0, 1], got 1e+300"),
+    ("optim.eps=inf", "optim.eps: must be a finite number, got 'inf'"),
+    ("optim.betas=[0.9,.nan]", "optim.betas: must be a finite number, got nan"),
+    ("optim.learning_rate=" + "9" * 400, "optim.learning_rate: must be a finite number, got 9999"),  # beyond float
+    ("eval.temperature=inf", "eval.temperature: must be a finite number, got 'inf'"),
+    ("rollout.temperature=1e6", "rollout.temperature: must be in (0, 10], got 1000000.0"),
+    ("loss.overlong_penalty_factor=inf", "loss.overlong_penalty_factor: must be a finite number, got 'inf'"),
+    ("loss.advantage_eps=5", "loss.advantage_eps: must be in (0, 1], got 5.0"),
+    ("cpu_threads=100000", "cpu_threads: must be in [1, 1024], got 100000"),
+    ("seed=4294967296", "seed: must be in [0, 4294967295], got 4294967296"),  # numpy's seed range,
 ]
 
 
@@ -102,7 +118,9 @@ def test_bad_training_value_stops_before_any_work(override, message, tmp_path, c
     ("data.eval_jsonl=pairs.jsonl optim.stop_at_success=0.3", "optim.stop_at_success: needs held-out questions "
      "from the task's training split (never the test split)"),
     ("output_dir=''", "output_dir: must be a non-empty path"),
-    ("seed=-3", "seed: must be >= 0, got -3"),
+    ("seed=-3", "seed: must be in [0, 4294967295], got -3"),
+    ("optim.learning_rate=nan", "optim.learning_rate: must be a finite number, got 'nan'"),
+    ("optim.min_learning_rate_ratio=.inf", "optim.min_learning_rate_ratio: must be a finite number, got inf"),
 ])
 def test_bad_sft_value_stops_before_any_work(override, message, tmp_path, capsys):
     paths = [f"--set=model.dir={tmp_path / 'model'}", f"--set=output_dir={tmp_path / 'out'}",
@@ -155,17 +173,17 @@ def test_ablate_reports_a_bad_value_in_one_line(tmp_path, capsys):
     (tmp_path / "experiments" / "neg.yaml").write_text("optim:\n  max_grad_norm: -1\n")
     err = run_main(ablate.main, [str(tmp_path / "experiments"), "--base", "config_cpu.yaml",
                                  "--out", str(tmp_path / "out")], capsys)
-    assert err == f"config error: {tmp_path / 'experiments' / 'neg.yaml'}: optim.max_grad_norm: must be > 0, got -1.0\n"
+    assert err == f"config error: {tmp_path / 'experiments' / 'neg.yaml'}: optim.max_grad_norm: must be in (0, 10000], got -1.0\n"
     assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("script, arguments, message", [
     ("train.py", ["--config", "config_cpu.yaml", "--set", "optim.max_grad_norm=-1"],
-     "config error: optim.max_grad_norm: must be > 0, got -1.0\n"),
+     "config error: optim.max_grad_norm: must be in (0, 10000], got -1.0\n"),
     ("train.py", ["--config", "config_cpu.yaml", "--set", "run_name=../escape"],
      "config error: run_name: must be a plain name (no '/', '\\' or '..'; it names one directory), got '../escape'\n"),
     ("train_sft.py", ["--config", "config_cpu_sft.yaml", "--set", "optim.learning_rate=-1"],
-     "config error: optim.learning_rate: must be > 0, got -1.0\n"),
+     "config error: optim.learning_rate: must be in (0, 1], got -1.0\n"),
     ("evaluate.py", ["--set", "eval.num_samples=0"], "config error: eval.num_samples: must be >= 1, got 0\n"),
 ])
 def test_real_entry_point_exits_2_with_one_line(script, arguments, message, tmp_path):
@@ -207,10 +225,10 @@ def test_config_module_imports_nothing_heavy():
     ("train_sft.py", ["--help"], "usage: train_sft.py"),
     ("evaluate.py", ["--help"], "usage: evaluate.py"),
     ("ablate.py", ["--help"], "usage: ablate.py"),
-    ("train.py", ["--set", "optim.learning_rate=-1"], "config error: optim.learning_rate: must be > 0, got -1.0\n"),
+    ("train.py", ["--set", "optim.learning_rate=-1"], "config error: optim.learning_rate: must be in (0, 1], got -1.0\n"),
     ("train.py", ["--config", "config_cpu.yaml", "--set", "loss.clip_range=2"],
      "config error: loss.clip_range: must be in (0, 1), got 2.0\n"),
-    ("train.py", ["--resume", "no/such/run"], "checkpoint error: --resume no/such/run: no checkpoint"),
+    ("train.py", ["--resume", "no/such/run"], "checkpoint error: --resume no/such/run: no such directory"),
     ("train_sft.py", ["--config", "config_cpu_sft.yaml", "--set", "optim.batch_size=0"],
      "config error: optim.batch_size: must be >= 1, got 0\n"),
     ("evaluate.py", ["--model", "m", "--data", "d", "--set", "eval.top_p=0"],
@@ -231,7 +249,7 @@ def test_ablate_config_error_comes_before_torch_loads(tmp_path):
                                         "config_cpu.yaml", "--out", str(tmp_path / "out"))
     assert result.returncode == 2, result.stderr
     assert result.stderr == (f"config error: {tmp_path / 'experiments' / 'neg.yaml'}: optim.max_grad_norm: "
-                             "must be > 0, got -1.0\n")
+                             "must be in (0, 10000], got -1.0\n")
     assert not (tmp_path / "out").exists()
 
 

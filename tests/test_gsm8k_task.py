@@ -17,6 +17,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import gsm8k_task
+from config import ConfigError
 import math_verify
 from fixtures.gsm8k.answer_corpus import FORMS, PROBES, build_corpus, read_gold_answers
 from gsm8k_task import (
@@ -201,7 +202,7 @@ def test_prompt_templates(tmp_path):
     example = make_example({"question": "What is {2}?", "answer": "2\n#### 2"}, load_prompt_template(custom))
     assert example["prompt"] == "Solve {like this}: What is {2}?\n<think>\n"
     assert example["prompt_ends_with_think"] is True
-    with pytest.raises(FileNotFoundError, match=r"neither one of \['minimal', 'reasoning'"):
+    with pytest.raises(ConfigError, match=r"task.prompt_template: 'no-such-template' is neither one of \['minimal', 'reasoning'"):
         load_prompt_template("no-such-template")
     custom.write_text("no placeholder")
     with pytest.raises(ValueError, match="no '{question}' placeholder"):

@@ -29,9 +29,9 @@ import pytest
 from huggingface_hub.utils import filter_repo_objects
 
 import config as config_lib
-import countdown_task
 import gsm8k_task
 import hub
+import inputs
 import train
 import train_sft
 from test_train import countdown_dir, tiny_config  # noqa: F401 (fixture)
@@ -155,10 +155,10 @@ def test_a_fetch_asks_only_for_the_files_the_loaders_read():
         "tokenizer.json", "tokenizer_config.json", "vocab.json"]
     gsm8k = ["README.md", "main/test-00000-of-00001.parquet", "main/train-00000-of-00001.parquet",
              "socratic/test-00000-of-00001.parquet", "socratic/train-00000-of-00001.parquet"]
-    assert sorted(filter_repo_objects(gsm8k, allow_patterns=[gsm8k_task.HUB_FILES])) == [
+    assert sorted(filter_repo_objects(gsm8k, allow_patterns=[inputs.GSM8K_HUB_FILES])) == [
         "main/test-00000-of-00001.parquet", "main/train-00000-of-00001.parquet"]
     countdown = [".gitattributes", "README.md", "data/train-00000-of-00001.parquet"]
-    assert list(filter_repo_objects(countdown, allow_patterns=[countdown_task.HUB_FILES])) == [
+    assert list(filter_repo_objects(countdown, allow_patterns=[inputs.COUNTDOWN_HUB_FILES])) == [
         "data/train-00000-of-00001.parquet"]
 
 

@@ -299,6 +299,7 @@ def test_prompt_and_answer_must_fit_the_models_positions(tmp_path, tiny_model_di
 def test_sft_runs_of_one_name_never_share_a_log_directory(tmp_path, tiny_model_dir, countdown_dir, capsys):
     import train_sft
     log_dir = tmp_path / "logs" / "sft-x"
+    (tmp_path / "pairs.jsonl").write_text('{"prompt": "1 + 1 =", "response": " 2"}\n' * 4)
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK.format(root=str(REPO_ROOT)), str(log_dir), str(log_dir)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline() == "locked\n"
@@ -306,7 +307,9 @@ def test_sft_runs_of_one_name_never_share_a_log_directory(tmp_path, tiny_model_d
         with pytest.raises(SystemExit) as exit_info:
             train_sft.main(["--config", "config_cpu_sft.yaml", f"--set=model.dir={tiny_model_dir}", "--set=run_name=sft-x",
                             f"--set=task.data_dir={countdown_dir}", f"--set=logging.log_dir={tmp_path / 'logs'}",
-                            f"--set=output_dir={tmp_path / 'out'}"])
+                            f"--set=output_dir={tmp_path / 'out'}", f"--set=data.train_jsonl={tmp_path / 'pairs.jsonl'}",
+                            f"--set=data.eval_jsonl={tmp_path / 'pairs.jsonl'}", "--set=optim.stop_at_success=null",
+                            "--set=eval.interval=0"])
     finally:
         holder.stdin.close()
         holder.wait()

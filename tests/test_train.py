@@ -176,5 +176,5 @@ def test_missing_model_and_data_say_how_to_get_them(tmp_path, tiny_model_dir, co
 
 def test_cuda_without_a_gpu_is_a_clear_error(tmp_path, tiny_model_dir, countdown_dir, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a machine without a GPU
-    with pytest.raises(RuntimeError, match="no CUDA GPU is visible"):
+    with pytest.raises(config_lib.ConfigError, match="device: cuda was requested but no CUDA GPU is visible"):
         train.train(tiny_config(tmp_path, tiny_model_dir, countdown_dir, "device=cuda"))
