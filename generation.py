@@ -109,8 +109,9 @@ def prefill(model: Transformer, prompts: list[list[int]], max_seq_len: int):
     shared = shared_prefix_length(prompts, min(len(prompt) for prompt in prompts) - 1)
     if shared:
         first_row = KVCache([buffer[:1] for buffer in kv_cache.keys], [buffer[:1] for buffer in kv_cache.values])
-        model.hidden_states(torch.tensor([prompts[0][:shared]], device=device),
-                            torch.arange(shared, device=device)[None], first_row)
+        # Through the model's forward (not hidden_states), so wrappers' hooks (FSDP's gathers) run.
+        model(torch.tensor([prompts[0][:shared]], device=device), torch.arange(shared, device=device)[None], first_row,
+              logits_at=torch.tensor([shared - 1], device=device))
         for buffer in kv_cache.keys + kv_cache.values:
             buffer[1:, :shared] = buffer[:1, :shared]
     padded = torch.nn.utils.rnn.pad_sequence(

@@ -196,10 +196,11 @@ def update_policy(
         raise ValueError("loss.kl_beta > 0 needs the frozen reference model (reference_model=...)")
     weights = episode_loss_weights(episodes, config, counts.sequences, counts.tokens, max_gen_len)
     episode_sums = {"advantage_abs_sum": sum(abs(a) for a in advantages), "episodes": len(episodes)}
-    if not config.kl_beta:
+    if not config.kl_beta and not torch.distributed.is_initialized():
         # An answer with advantage 0 (its group's rewards were all equal) adds exactly 0 to the loss and its
         # gradient, in every epoch: leave it out of the forward and backward. The weights, from the whole
         # batch's counts, are unchanged, so the update is too. Early in training that is most answers.
+        # (Not under torchrun: ranks left with different numbers of micro-batches would desynchronise FSDP.)
         trained = [index for index, advantage in enumerate(advantages) if advantage != 0]
         episodes, advantages, weights = ([values[i] for i in trained] for values in (episodes, advantages, weights))
     start = time.perf_counter()

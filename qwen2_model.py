@@ -305,11 +305,15 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, layer_cache=None, positions=None, mask=None):
+    def forward(self, x, cos, sin, layer_cache=None, positions=None, mask=None, prefix=None):
+        """prefix (its hidden states, (cos, sin)): also run a shared prefix that the rows of x continue and
+        return both (see forward_with_prefix). One forward for both, so wrappers' hooks (FSDP) run."""
+        if prefix is not None:
+            return self.forward_with_prefix(*prefix, x, (cos, sin), mask)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_cache, positions, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_with_prefix(self, prefix_x, x, prefix_rope, rope, mask):
+    def forward_with_prefix(self, prefix_x, prefix_rope, x, rope, mask):
         prefix_attended, attended = self.self_attn.forward_with_prefix(
             self.input_layernorm(prefix_x), self.input_layernorm(x), prefix_rope, rope, mask)
         prefix_x, x = prefix_x + prefix_attended, x + attended
@@ -377,10 +381,9 @@ class Transformer(nn.Module):
         mask = positions[None, :] <= positions[prefix_length:, None]
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:
-                prefix_x, x = checkpoint(layer.forward_with_prefix, prefix_x, x, prefix_rope, rope, mask,
-                                         use_reentrant=False)
+                prefix_x, x = checkpoint(layer, x, *rope, mask=mask, prefix=(prefix_x, prefix_rope), use_reentrant=False)
             else:
-                prefix_x, x = layer.forward_with_prefix(prefix_x, x, prefix_rope, rope, mask)
+                prefix_x, x = layer(x, *rope, mask=mask, prefix=(prefix_x, prefix_rope))
         return self.norm(x)
 
     def forward(self, tokens: torch.Tensor, positions=None, kv_cache: KVCache | None = None, *,
