@@ -351,7 +351,7 @@ def test_bad_values_are_config_errors(values, message):
 
 
 def test_bad_variant_value_stops_train_py_with_a_config_error(capsys):
-    for assignment, message in (("loss.kl_beta=-1", "config error: loss.kl_beta: must be >= 0"),
+    for assignment, message in (("loss.kl_beta=-1", "config error: loss.kl_beta: must be in [0, 10]"),
                                 ("rollout.dynamic_sampling_max_rounds=0",
                                  "config error: rollout.dynamic_sampling_max_rounds: must be >= 1")):
         with pytest.raises(SystemExit) as stopped:
