@@ -3,6 +3,7 @@ std, KL to a reference, truncated importance sampling) against values computed b
 
 import copy
 import dataclasses
+import json
 import logging
 import math
 from pathlib import Path
@@ -26,19 +27,40 @@ from test_grpo import (TOKEN, assert_same_parameters, expected_sgd_update, per_t
                        sample_episodes)
 from test_train import countdown_dir, digit_reward, read_scalars, tiny_config  # noqa: F401 (fixtures)
 
-VARIANTS = Path(__file__).resolve().parents[1] / "configs" / "variants"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = REPO_ROOT / "configs" / "variants"
+BASES = ["config.yaml", "config_24GB.yaml", "config_cpu.yaml", "configs/gsm8k.yaml"]
+# What defines an algorithm, so what every preset states: the whole loss section, dynamic sampling and
+# overlong filtering.
+ALGORITHM_KEYS = sorted({f"loss.{field.name}" for field in dataclasses.fields(LossConfig)}
+                        | {"rollout.dynamic_sampling", "rollout.dynamic_sampling_max_rounds", "optim.skip_unfinished_episodes"})
+# Plain GRPO as docs/variants.md states it (and every default is): GRPO:Zero's loss, one on-policy step.
+PLAIN_GRPO = {
+    "rollout.dynamic_sampling": False, "rollout.dynamic_sampling_max_rounds": 3, "optim.skip_unfinished_episodes": False,
+    "loss.baseline": "group_mean", "loss.std_normalization": True, "loss.std_estimator": "population",
+    "loss.advantage_eps": 1e-4, "loss.aggregation": "token", "loss.aggregation_constant": None,
+    "loss.epochs_per_rollout": 1, "loss.clip": "none", "loss.clip_range": 0.2, "loss.clip_range_high": None,
+    "loss.importance_sampling": "token", "loss.std_scope": "group", "loss.overlong_buffer_fraction": 0.0,
+    "loss.overlong_penalty_factor": 1.0, "loss.kl_beta": 0.0, "loss.sapo_tau_positive": 1.0,
+    "loss.sapo_tau_negative": 1.05, "loss.whiten_advantages": False, "loss.top_entropy_fraction": None,
+    "loss.sampler_is_cap": None,
+}
 # docs/variants.md's table: each preset's changes to plain GRPO.
 PRESETS = {
-    "baseline": {},
+    "grpo": {},
     "batch_std": {"loss.std_scope": "batch"},
-    "dapo": {"rollout.dynamic_sampling": True, "rollout.dynamic_sampling_max_rounds": 3, "loss.aggregation": "token",
-             "loss.epochs_per_rollout": 2, "loss.clip": "ppo", "loss.clip_range": 0.2, "loss.clip_range_high": 0.28,
-             "loss.overlong_buffer_fraction": 0.2, "loss.overlong_penalty_factor": 1.0},
-    "dr_grpo": {"loss.std_normalization": False, "loss.aggregation": "constant", "loss.aggregation_constant": None},
+    "dapo": {"rollout.dynamic_sampling": True, "loss.epochs_per_rollout": 2, "loss.clip": "ppo",
+             "loss.clip_range_high": 0.28, "loss.overlong_buffer_fraction": 0.2},
+    "dr_grpo": {"loss.std_normalization": False, "loss.aggregation": "constant"},
     "grpo_kl": {"loss.kl_beta": 0.04},
     "gspo": {"loss.importance_sampling": "sequence", "loss.aggregation": "sequence", "loss.epochs_per_rollout": 2,
              "loss.clip": "ppo", "loss.clip_range": 3e-4, "loss.clip_range_high": 4e-4},
     "ppo_k2": {"loss.epochs_per_rollout": 2, "loss.clip": "ppo"},
+    "cispo": {"loss.epochs_per_rollout": 2, "loss.clip": "cispo", "loss.clip_range_high": 4.0},
+    "sapo": {"loss.aggregation": "sequence", "loss.epochs_per_rollout": 2, "loss.clip": "sapo"},
+    "rloo": {"loss.baseline": "leave_one_out", "loss.std_normalization": False},
+    "reinforce_pp": {"loss.std_normalization": False, "loss.whiten_advantages": True},
+    "top_entropy": {"loss.top_entropy_fraction": 0.2},
 }
 
 
@@ -546,14 +568,37 @@ def test_bad_variant_value_stops_train_py_with_a_config_error(capsys):
 # ----------------------------------------------------------------------------- presets and train.py end to end
 
 
-@pytest.mark.parametrize("base", ["config.yaml", "config_cpu.yaml", "configs/gsm8k.yaml"])
-def test_every_preset_is_its_document_row_and_validates_on_the_base(base, tmp_path):
-    experiments = ablate.load_experiments(VARIANTS, VARIANTS.parents[1] / base, [], tmp_path)
-    assert {experiment.name: experiment.changes for experiment in experiments} == PRESETS
+def algorithm(config: train.TrainConfig) -> dict:
+    return {key: getattr(getattr(config, key.split(".")[0]), key.split(".")[1]) for key in ALGORITHM_KEYS}
+
+
+def test_plain_grpo_is_every_default():
+    assert algorithm(train.TrainConfig()) == PLAIN_GRPO
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_every_preset_states_its_whole_algorithm_and_means_it_over_any_base(base, tmp_path):
+    """A base config's own algorithm (the CPU demo's KL, clip-higher, 6 dynamic-sampling rounds, 2 epochs) must
+    not leak into a preset: merged over any base, each resolves to exactly its document row."""
+    experiments = {e.name: e for e in ablate.load_experiments(VARIANTS, REPO_ROOT / base, [], tmp_path)}
+    assert sorted(experiments) == sorted(PRESETS)
+    for name, experiment in experiments.items():
+        assert sorted(experiment.changes) == ALGORITHM_KEYS, f"{name} does not state every algorithm key"
+        assert algorithm(experiment.config) == {**PLAIN_GRPO, **PRESETS[name]}, name
+    resolved = {name: algorithm(experiment.config) for name, experiment in experiments.items()}
+    assert resolved["ppo_k2"] != resolved["grpo"]
+    assert resolved["ppo_k2"]["loss.clip_range_high"] is None  # the symmetric clip, whatever the base's
+    assert resolved["dapo"]["loss.kl_beta"] == 0 and resolved["dapo"]["rollout.dynamic_sampling_max_rounds"] == 3
+    for name in ("gspo", "dr_grpo", "grpo"):
+        assert not resolved[name]["rollout.dynamic_sampling"] and resolved[name]["loss.kl_beta"] == 0
+    if base == "config_cpu.yaml":  # the suite's table lists what a preset changes in this base: the demo's recipe undone
+        assert experiments["grpo"].differences == {
+            "rollout.dynamic_sampling": False, "rollout.dynamic_sampling_max_rounds": 3, "loss.epochs_per_rollout": 1,
+            "loss.clip": "none", "loss.clip_range_high": None, "loss.kl_beta": 0.0}
 
 
 def preset_overrides(name: str) -> list[str]:
-    return [f"{key}={value if value is not None else 'null'}" for key, value in PRESETS[name].items()]
+    return [f"{key}={json.dumps(value)}" for key, value in ablate.flatten(config_lib.read_yaml(VARIANTS / f"{name}.yaml")).items()]
 
 
 @pytest.mark.slow
@@ -565,6 +610,7 @@ def test_each_preset_trains_two_steps_through_train_py(name, tmp_path, tiny_mode
     scalars = read_scalars(tmp_path / "logs" / "tiny")
     assert [step for step, _ in scalars["train/loss"]] == [1, 2]
     assert all(math.isfinite(value) for _, value in scalars["train/loss"] + scalars["train/grad_norm"])
+    assert "train/sampler_logprob_diff_max" in scalars
     if name == "dapo":
         rounds = [value for _, value in scalars["train/dynamic_sampling_rounds"]]
         assert all(1 <= r <= 3 for r in rounds)  # each round asks the step's 2 questions
