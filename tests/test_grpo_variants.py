@@ -418,6 +418,22 @@ def with_sampler_values(episodes, model, offsets, entropies=None):
             for e, lps in zip(episodes, log_probs)]
 
 
+def scaled_token_loss(episodes, advantages, factors):
+    """Plain GRPO's token-level loss with token j of the batch (in episode order) weighted by factors[j]."""
+
+    def loss(model):
+        total, token = 0.0, 0
+        for index, episode in enumerate(episodes):
+            log_probs = per_token_log_probs(model, episode)
+            factor = torch.tensor(factors[token : token + len(log_probs)], dtype=torch.float32)
+            token += len(log_probs)
+            total = total - TOKEN(episode, episodes) * (factor * torch.exp(log_probs - log_probs.detach())
+                                                        * advantages[index]).sum()
+        return total
+
+    return loss
+
+
 def test_truncated_importance_sampling_weights_each_token_by_the_capped_ratio(policy):
     generator = torch.Generator().manual_seed(2)
     episodes = sample_episodes()
@@ -429,18 +445,8 @@ def test_truncated_importance_sampling_weights_each_token_by_the_capped_ratio(po
     weights = [min(math.exp(offset), 1.5) for offset in offsets]  # min(p_train / p_sampler, C), by hand
     assert min(weights) < 1 and max(weights) == 1.5  # both sides of 1, and the cap acts
 
-    def hand_loss(model):
-        total, token = 0.0, 0
-        for index, episode in enumerate(episodes):
-            log_probs = per_token_log_probs(model, episode)
-            weight = torch.tensor(weights[token : token + len(log_probs)])
-            token += len(log_probs)
-            total = total - TOKEN(episode, episodes) * (weight * torch.exp(log_probs - log_probs.detach())
-                                                        * advantages[index]).sum()
-        return total
-
     updated, metrics = sgd_update(policy, episodes, config)
-    expected, expected_loss = expected_sgd_update(policy, hand_loss)
+    expected, expected_loss = expected_sgd_update(policy, scaled_token_loss(episodes, advantages, weights))
     assert_same_parameters(updated, expected)
     assert metrics["loss"] == pytest.approx(expected_loss, abs=1e-6)
     # The engines' disagreement, as logged: mean and max |trainer - sampler log p| over generated tokens.
@@ -456,19 +462,11 @@ def test_top_entropy_masking_trains_only_the_highest_entropy_tokens(policy):
     config = LossConfig(top_entropy_fraction=0.2)
     advantages = compute_advantages(episodes, config)
     kept = sorted(entropies, reverse=True)[: round(0.2 * num_tokens)]  # by hand: the top 20% of the batch
+    keep = [float(entropy in kept) for entropy in entropies]
 
-    def hand_loss(model):  # the normaliser stays every generated token (Wang et al. 2025's token-level loss)
-        total, token = 0.0, 0
-        for index, episode in enumerate(episodes):
-            log_probs = per_token_log_probs(model, episode)
-            keep = torch.tensor([entropies[token + t] in kept for t in range(len(log_probs))], dtype=torch.float32)
-            token += len(log_probs)
-            total = total - TOKEN(episode, episodes) * (keep * torch.exp(log_probs - log_probs.detach())
-                                                        * advantages[index]).sum()
-        return total
-
+    # The normaliser stays every generated token (Wang et al. 2025's token-level loss); the others weigh 0.
     updated, metrics = sgd_update(policy, episodes, config)
-    expected, expected_loss = expected_sgd_update(policy, hand_loss)
+    expected, expected_loss = expected_sgd_update(policy, scaled_token_loss(episodes, advantages, keep))
     assert_same_parameters(updated, expected)
     assert metrics["loss"] == pytest.approx(expected_loss, abs=1e-6)
     with pytest.raises(ValueError, match="sampler's per-token"):
