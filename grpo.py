@@ -10,7 +10,6 @@ tokens, a KL penalty to a frozen reference, truncated importance sampling agains
 
 import dataclasses
 import logging
-import math
 import time
 from collections import defaultdict
 from typing import Callable, NamedTuple
