@@ -349,16 +349,16 @@ def update_policy(
     totals = dict(zip(TOKEN_SUMS, sums.tolist()))
     if config.kl_beta:
         totals["kl_sum"] = kl_sum.item()
-    if sampled:
-        totals |= {"sampler_diff_sum": sampler_diff_sum.item(), "sampler_diff_max": sampler_diff_max.item(),
-                   "sampler_diff_tokens": float(sum(e.num_generated_tokens for e in episodes))}
+    # Always the same keys, so ranks sum them alike; tokens 0 (nothing compared) leaves the metric out.
+    totals |= {"sampler_diff_sum": sampler_diff_sum.item(), "sampler_diff_max": sampler_diff_max.item(),
+               "sampler_diff_tokens": float(sum(e.num_generated_tokens for e in episodes)) if sampled else 0.0}
     return {**totals, "advantage_abs_sum": sum(abs(a) for a in advantages), "episodes": len(episodes),
             "ratio_max": ratio_max.item(), "grad_norm": grad_norm, "update_seconds": time.perf_counter() - start}
 
 
 # What update_policy sums over micro-batches, and then what a caller sums over ranks before update_metrics.
 TOKEN_SUMS = ("loss", "tokens", "entropy", "clipped", "ratio_sum")
-# kl_sum: only with kl_beta > 0; sampler_diff_*: only for episodes with the sampler's log-probs.
+# kl_sum: only with kl_beta > 0.
 UPDATE_SUMS = (*TOKEN_SUMS, "advantage_abs_sum", "episodes", "kl_sum", "sampler_diff_sum", "sampler_diff_tokens")
 
 
@@ -366,8 +366,8 @@ def update_metrics(totals: dict[str, float]) -> dict[str, float]:
     """Means of update_policy's sums (a single rank's, or every rank's added up)."""
     tokens = max(totals["tokens"], 1)
     sampler = {}
-    if "sampler_diff_sum" in totals:  # the max: a caller over ranks passes the largest
-        sampler = {"sampler_logprob_diff_mean": totals["sampler_diff_sum"] / max(totals["sampler_diff_tokens"], 1),
+    if totals.get("sampler_diff_tokens"):  # episodes with the sampler's log-probs; over ranks, the largest max
+        sampler = {"sampler_logprob_diff_mean": totals["sampler_diff_sum"] / totals["sampler_diff_tokens"],
                    "sampler_logprob_diff_max": totals["sampler_diff_max"]}
     return {
         **({"kl": totals["kl_sum"] / tokens} if "kl_sum" in totals else {}),

@@ -343,7 +343,7 @@ def all_ranks_update_metrics(update: dict) -> dict[str, float]:
     if not update:
         return {}
     sums = {key: update[key] for key in UPDATE_SUMS if key in update}  # kl_sum only with a KL term
-    maxima = {key: distributed.global_max(update[key]) for key in ("ratio_max", "sampler_diff_max") if key in update}
+    maxima = {key: distributed.global_max(update[key]) for key in ("ratio_max", "sampler_diff_max")}
     return update_metrics({**update, **distributed.global_sums(sums), **maxima})
 
 
