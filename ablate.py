@@ -2,8 +2,10 @@
 
     uv run ablate.py configs/ablations [--base config.yaml] [--set section.key=value ...] [--out DIR] [--force]
 
-Each DIR/*.yaml holds only the keys its experiment changes. It is merged on top of the base config
-(--set changes the base, so every experiment) and run in this process by train.train(), in file
+Each DIR/*.yaml holds the keys its experiment sets (an ablation: the one it changes; a preset of
+configs/variants: its whole algorithm), and the table lists those whose value differs from the base's.
+It is merged on top of the base config (--set changes the base, so every experiment) and run in this
+process by train.train(), in file
 name order, named after the file. Every run logs to OUT/logs/<name> (`tensorboard --logdir OUT/logs`
 overlays them) and checkpoints to OUT/checkpoints/<name>; they share the base's seed, so they train
 on the same questions. After each run OUT/runs/<name>.json records its numbers and OUT/results.md
@@ -38,6 +40,7 @@ class Experiment:
     name: str
     changes: dict  # "section.key" -> value, as written in the experiment's file
     config: TrainConfig
+    differences: dict  # the changes whose value differs from the base's: what the results table lists
 
 
 def flatten(values: dict, prefix: str = "") -> dict:
@@ -49,6 +52,12 @@ def flatten(values: dict, prefix: str = "") -> dict:
     return flat
 
 
+def value_at(config, dotted_key: str):
+    for name in dotted_key.split("."):
+        config = getattr(config, name)
+    return config
+
+
 def load_experiments(directory, base_path, overrides: list[str], out_dir) -> list[Experiment]:
     """Every DIR/*.yaml merged onto the base and validated, so a typo stops the suite before any run."""
     paths = sorted(Path(directory).glob("*.yaml"))
@@ -57,6 +66,10 @@ def load_experiments(directory, base_path, overrides: list[str], out_dir) -> lis
     base = config_lib.read_yaml(base_path)
     for assignment in overrides:
         config_lib.apply_override(base, assignment)
+    try:
+        base_config = config_lib.build(TrainConfig, base)
+    except config_lib.ConfigError as error:
+        raise config_lib.ConfigError(f"{base_path}: {error}") from None
     experiments = []
     for path in paths:
         changes = config_lib.read_yaml(path)
@@ -67,7 +80,9 @@ def load_experiments(directory, base_path, overrides: list[str], out_dir) -> lis
             config = config_lib.build(TrainConfig, config_lib.merge(config_lib.merge(base, changes), suite_keys))
         except config_lib.ConfigError as error:
             raise config_lib.ConfigError(f"{path}: {error}") from None
-        experiments.append(Experiment(path.stem, flatten(changes), config))
+        changes = flatten(changes)
+        differences = {key: value for key, value in changes.items() if value_at(config, key) != value_at(base_config, key)}
+        experiments.append(Experiment(path.stem, changes, config, differences))
     return experiments
 
 
@@ -136,7 +151,7 @@ def run_experiments(experiments: list[Experiment], out_dir: Path, directory, bas
     (out_dir / "runs").mkdir(parents=True, exist_ok=True)
     rows = []
     for number, experiment in enumerate(experiments, 1):
-        row = {"experiment": experiment.name, "changes": describe_changes(experiment.changes)}
+        row = {"experiment": experiment.name, "changes": describe_changes(experiment.differences)}
         record_path = out_dir / "runs" / f"{experiment.name}.json"
         config_yaml = config_lib.to_yaml(experiment.config)
         record = json.loads(record_path.read_text()) if record_path.is_file() else None

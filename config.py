@@ -241,15 +241,18 @@ class OptimConfig(AdamWConfig):
 
 @dataclass
 class LossConfig:
-    baseline: Literal["group_mean", "none"] = "group_mean"  # "none": REINFORCE on raw rewards
+    # group_mean: GRPO's; leave_one_out: RLOO's mean of the other G - 1 answers; none: REINFORCE on raw rewards
+    baseline: Literal["group_mean", "leave_one_out", "none"] = "group_mean"
     std_normalization: bool = True  # divide by the group's reward std
     std_estimator: Literal["population", "sample"] = "population"  # divide by G (GRPO:Zero) or G - 1 (torch.std)
     advantage_eps: float = 1e-4  # added to the std so all-equal groups give 0, never NaN
     aggregation: Literal["token", "sequence", "constant"] = "token"
     aggregation_constant: int | None = None  # tokens per sequence for "constant"; null = max_gen_len
     epochs_per_rollout: int = 1  # K optimizer steps on each rollout batch
-    clip: Literal["none", "ppo"] = "none"
-    clip_range: float = 0.2  # the ratio is clipped to [1 - clip_range, 1 + clip_range_high]
+    # How the importance ratio is bounded: none; ppo (PPO's clipped objective); cispo (MiniMax-M1: the detached
+    # weight min(ratio, 1 + clip_range_high) times log p, no token loses its gradient); sapo (a sigmoid gate)
+    clip: Literal["none", "ppo", "cispo", "sapo"] = "none"
+    clip_range: float = 0.2  # ppo: the ratio is clipped to [1 - clip_range, 1 + clip_range_high]
     # The variants that followed DeepSeek-R1 (docs/variants.md); each default leaves the loss as above.
     clip_range_high: float | None = None  # DAPO's clip-higher: a wider upper range; null = clip_range
     importance_sampling: Literal["token", "sequence"] = "token"  # sequence: GSPO's per-sequence ratio
@@ -257,6 +260,11 @@ class LossConfig:
     overlong_buffer_fraction: float = 0.0  # DAPO's soft overlong penalty ramps over this last part of max_gen_len
     overlong_penalty_factor: float = 1.0  # the reward taken off an answer of max_gen_len tokens
     kl_beta: float = 0.0  # weight of the k3 KL to the frozen initial policy; 0: no reference model
+    sapo_tau_positive: float = 1.0  # SAPO's gate temperature for answers with advantage > 0 (larger: a narrower gate)
+    sapo_tau_negative: float = 1.05  # and for the others
+    whiten_advantages: bool = False  # REINFORCE++: shift and scale the advantages to mean 0, std 1 over the batch
+    top_entropy_fraction: float | None = None  # train only on this fraction of the batch's highest-entropy tokens
+    sampler_is_cap: float | None = None  # C: weight token losses by min(p_train / p_sampler, C); null: off
 
     def validate(self) -> None:
         within(self, "advantage_eps", 0, 1, "(]")  # < 0 can flip advantage signs; 0 gives 0/0 in equal groups
@@ -264,11 +272,17 @@ class LossConfig:
         at_least(self, "epochs_per_rollout", 1)
         within(self, "clip_range", 0, 1, "()")
         within(self, "clip_range_high", 0, 10, "()")
-        check(self.clip_range_high is None or self.clip == "ppo", "clip_range_high",
-              "needs loss.clip: ppo (without clipping it does nothing)", self.clip_range_high)
+        check(self.clip_range_high is None or self.clip in ("ppo", "cispo"), "clip_range_high",
+              "needs loss.clip: ppo or cispo (elsewhere it does nothing)", self.clip_range_high)
         within(self, "overlong_buffer_fraction", 0, 1, "[)")
         within(self, "overlong_penalty_factor", 0, 10, "(]")  # rewards are at most ~1: 10 x that is already absurd
         within(self, "kl_beta", 0, 10)  # 0: no KL term, no reference model; 10 already pins the policy
+        within(self, "sapo_tau_positive", 0, 100, "(]")
+        within(self, "sapo_tau_negative", 0, 100, "(]")
+        within(self, "top_entropy_fraction", 0, 1, "(]")
+        # < 1 would down-weight even tokens both engines agree on; a ratio above 100 (log-probs 4.6 apart) means
+        # the engines disagree outright, so a larger cap truncates nothing
+        within(self, "sampler_is_cap", 1, 100)
 
 
 @dataclass
@@ -371,8 +385,8 @@ class TrainConfig:
                 f"rollout.episodes_per_step ({rollout.episodes_per_step}) must be divisible by "
                 f"rollout.num_answers_per_question ({rollout.num_answers_per_question})"
             )
-        if rollout.num_answers_per_question < 2 and self.loss.baseline == "group_mean":
-            raise ConfigError("rollout.num_answers_per_question must be >= 2 for a group-mean baseline")
+        if rollout.num_answers_per_question < 2 and self.loss.baseline != "none":
+            raise ConfigError(f"rollout.num_answers_per_question must be >= 2 for the {self.loss.baseline} baseline")
         questions = rollout.episodes_per_step // rollout.num_answers_per_question
         if questions % world_size():
             raise ConfigError(f"the {questions} questions per step must split evenly over {world_size()} ranks")

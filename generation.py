@@ -8,7 +8,7 @@ does the host look at which rows are done, to stop early and drop finished rows 
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -32,6 +32,10 @@ PACKED_PROJECTION_MIN_WEIGHTS = 1 << 22
 class Completion:
     token_ids: list[int]  # generated ids, including the eos id when finished
     finished: bool  # stopped on eos (False: hit its length limit)
+    # The sampler's measurements of each generated token (see token_statistics); not part of what was sampled,
+    # so two completions with the same tokens are equal even where these differ in their last bits.
+    log_probs: list[float] = field(default_factory=list, compare=False)
+    entropies: list[float] = field(default_factory=list, compare=False)
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, uniforms: torch.Tensor | None) -> torch.Tensor:
@@ -57,6 +61,24 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, uniforms: tor
     return (index if order is None else order.gather(-1, index)).squeeze(-1)
 
 
+def token_statistics(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(tokens), entropy) [rows] in float32 under softmax(logits / temperature) (greedy: temperature 1),
+    before top_p's truncation.
+
+    At temperature 1 this is the policy as the trainer scores it (logprobs.chunk_log_probs), so the update
+    can measure how far its own log-probs are from the sampler's (grpo.update_policy).
+    """
+    log_probs = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)
+    entropy = torch.special.entr(log_probs.exp()).sum(-1)  # -sum p log p, with 0 log 0 = 0
+    return log_probs.gather(-1, tokens[:, None]).squeeze(-1), entropy
+
+
+def sample_and_score(logits: torch.Tensor, temperature: float, top_p: float, uniforms: torch.Tensor | None):
+    """(next token ids, their log-probs, entropies), each [rows]: `sample` and `token_statistics`."""
+    tokens = sample(logits, temperature, top_p, uniforms)
+    return tokens, *token_statistics(logits, tokens, temperature)
+
+
 def decode_step(
     model: Transformer,
     kv_cache: KVCache,
@@ -66,14 +88,15 @@ def decode_step(
     temperature: float,
     top_p: float,
     project: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Feed one token per row at its position and sample the next: fixed shapes for a given batch.
 
+    Returns `sample_and_score`'s (tokens, log-probs, entropies).
     project: hidden states -> logits (None: the model's lm_head); see `vocab_projection`.
     """
     hidden = model.hidden_states(tokens[:, None], positions[:, None], kv_cache)[:, -1]
     logits = (project or model.lm_head)(hidden)
-    return sample(logits, temperature, top_p, uniforms)
+    return sample_and_score(logits, temperature, top_p, uniforms)
 
 
 def vocab_projection(model: Transformer) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -203,7 +226,7 @@ def generate(
         model, kv_cache, logits, positions, length_limits, eos_token_id, temperature, top_p, generator,
         evict_finished=evict_finished and not compiled, compiled=compiled, progress=progress,
     )
-    return completions_from_outputs(outputs.tolist(), length_limits.tolist(), eos_token_id)
+    return completions_from_outputs(*(output.tolist() for output in outputs), length_limits.tolist(), eos_token_id)
 
 
 def prefill_rows(model: Transformer, prompts, num_samples_per_prompt: int, max_seq_len: int, share_prompt_prefill: bool):
@@ -237,8 +260,9 @@ def decode(
     evict_finished: bool,
     compiled: bool,
     progress: bool,
-) -> torch.Tensor:
-    """Generated ids [rows, max(length_limits)], each row valid up to its eos or its length limit.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Generated ids [rows, max(length_limits)], each row valid up to its eos or its length limit, and
+    each token's log-prob and entropy from `token_statistics` (same shape, float32).
 
     compiled: run each step as a captured CUDA graph. Finished rows then stay in the batch: every
     new batch size would need its own compile and capture, which costs far more than decoding a few
@@ -254,6 +278,7 @@ def decode(
     # Reading the finished flags is free on a CPU, so finished rows leave the batch at once there.
     evict_every_step = evict_finished and device.type == "cpu"
     outputs = torch.full((num_rows, max_gen_len), eos_token_id, device=device)
+    log_probs, entropies = (torch.zeros((num_rows, max_gen_len), device=device) for _ in range(2))
     # State of the active rows; eviction shrinks these together with the cache.
     row_ids, limits = torch.arange(num_rows, device=device), length_limits
     finished = torch.zeros(num_rows, dtype=torch.bool, device=device)
@@ -263,10 +288,14 @@ def decode(
     drawn_rows, draw_index = row_ids, None
     # Slots written so far (all rows), tracked on the host: compaction copies only these.
     filled = int(positions.max())
-    next_tokens = sample(logits, temperature, top_p, draw_uniforms(num_rows, temperature, generator, device))
+    # Each step's tokens and their statistics are written at row_ids, the rows' original places, so a row's
+    # log-probs stay aligned with its tokens however the batch shrinks.
+    next_tokens, next_log_probs, next_entropies = sample_and_score(
+        logits, temperature, top_p, draw_uniforms(num_rows, temperature, generator, device))
     bar = tqdm(total=max_gen_len, desc="generate", unit="step", disable=not progress)
     for step in range(max_gen_len):
         outputs[row_ids, step] = next_tokens
+        log_probs[row_ids, step], entropies[row_ids, step] = next_log_probs, next_entropies
         finished |= (next_tokens == eos_token_id) | (limits <= step + 1)
         if step + 1 == max_gen_len:
             break
@@ -278,7 +307,8 @@ def decode(
         if (check and evict_finished or evict_every_step) and finished.any():
             active = (~finished).nonzero().squeeze(1)
             kv_cache = keep_rows_in_place(kv_cache, active, filled)
-            next_tokens, positions, row_ids, limits = (t[active] for t in (next_tokens, positions, row_ids, limits))
+            next_tokens, next_log_probs, next_entropies, positions, row_ids, limits = (
+                t[active] for t in (next_tokens, next_log_probs, next_entropies, positions, row_ids, limits))
             finished = finished[active]
             draw_index = torch.searchsorted(drawn_rows, row_ids)
         if check:
@@ -293,12 +323,13 @@ def decode(
         # Eager steps attend over the written slots only (views, no copy): early in a long generation
         # most of the buffer is empty. A captured graph needs the whole, fixed-shape buffer.
         step_cache = kv_cache if compiled else filled_part(kv_cache, filled + 1)
-        next_tokens = step_fn(model, step_cache, next_tokens, positions, uniforms, temperature, top_p)
-        if compiled:
-            next_tokens = next_tokens.clone()  # the graph's output buffer is overwritten by its next replay
+        next_tokens, next_log_probs, next_entropies = step_fn(model, step_cache, next_tokens, positions, uniforms,
+                                                              temperature, top_p)
+        if compiled:  # the graph's output buffers are overwritten by its next replay
+            next_tokens, next_log_probs, next_entropies = (t.clone() for t in (next_tokens, next_log_probs, next_entropies))
         positions, filled = positions + 1, filled + 1
     bar.close()
-    return outputs
+    return outputs, log_probs, entropies
 
 
 def filled_part(kv_cache: KVCache, num_slots: int) -> KVCache:
@@ -310,13 +341,13 @@ def draw_uniforms(num_rows: int, temperature: float, generator, device) -> torch
     return None if temperature == 0 else torch.rand(num_rows, generator=generator, device=device)
 
 
-def completions_from_outputs(outputs: list[list[int]], limits: list[int], eos_token_id: int) -> list[Completion]:
+def completions_from_outputs(outputs: list[list[int]], log_probs: list[list[float]], entropies: list[list[float]],
+                             limits: list[int], eos_token_id: int) -> list[Completion]:
     """Cut each row at its first eos (kept) or its length limit; rows may hold stale tokens beyond."""
     completions = []
-    for tokens, limit in zip(outputs, limits):
+    for tokens, row_log_probs, row_entropies, limit in zip(outputs, log_probs, entropies, limits):
         tokens = tokens[:limit]
-        if eos_token_id in tokens:
-            completions.append(Completion(tokens[: tokens.index(eos_token_id) + 1], finished=True))
-        else:
-            completions.append(Completion(tokens, finished=False))
+        finished = eos_token_id in tokens
+        length = tokens.index(eos_token_id) + 1 if finished else len(tokens)
+        completions.append(Completion(tokens[:length], finished, row_log_probs[:length], row_entropies[:length]))
     return completions

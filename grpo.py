@@ -4,7 +4,8 @@ Default behaviour is GRPO:Zero's: group-mean baseline, std normalisation, a toke
 generated token in the batch weighs the same), no KL term and no reference model. The variants of
 the second design document (no baseline, no std, sequence or constant length normalisation,
 K epochs per rollout with or without PPO clipping) are switches in `LossConfig`, and so are the ones
-that followed DeepSeek-R1 (DAPO, Dr. GRPO, GSPO, a KL penalty to a frozen reference; docs/variants.md).
+that followed DeepSeek-R1 (DAPO, Dr. GRPO, GSPO, CISPO, SAPO, RLOO, REINFORCE++ whitening, top-entropy
+tokens, a KL penalty to a frozen reference, truncated importance sampling against the sampler; docs/variants.md).
 """
 
 import dataclasses
@@ -62,6 +63,8 @@ def rollout(
                 is_finished=completion.finished,
                 reward=score["reward"],
                 reward_info=score["reward_info"],
+                sampler_log_probs=completion.log_probs,
+                sampler_entropies=completion.entropies,
             )
         )
     return episodes
@@ -84,15 +87,25 @@ def compute_advantages(episodes: list[Episode], config: LossConfig,
     for members in groups.values():
         rewards = torch.tensor([episodes[i].reward for i in members], dtype=torch.float64)
         centered = rewards
-        if config.baseline == "group_mean":
-            # Equal rewards can leave 1e-17 residues after subtracting their mean; they must give exactly 0.
-            centered = rewards - rewards.mean() if rewards.max() > rewards.min() else torch.zeros_like(rewards)
+        if config.baseline != "none":
+            # Equal rewards can leave 1e-17 residues after subtracting a baseline; they must give exactly 0.
+            centered = (rewards - group_baseline(rewards, config.baseline) if rewards.max() > rewards.min()
+                        else torch.zeros_like(rewards))
         if config.std_normalization:
             std = reward_std(rewards, config.std_estimator) if config.std_scope == "group" else batch_std
             centered = centered / (std + config.advantage_eps)
         for i, value in zip(members, centered.tolist()):
             advantages[i] = value
     return advantages
+
+
+def group_baseline(rewards: torch.Tensor, baseline: str) -> torch.Tensor:
+    """What each answer's reward is compared with: the group's mean (GRPO), or for leave_one_out the mean of
+    the other G - 1 answers' rewards (RLOO, Ahmadian et al. 2024, arXiv:2402.14740), an estimate that does
+    not depend on the answer itself. r_i - that mean is G / (G - 1) x (r_i - the group's mean)."""
+    if baseline == "group_mean":
+        return rewards.mean()
+    return (rewards.sum() - rewards) / (len(rewards) - 1)
 
 
 def reward_std(rewards: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -107,6 +120,32 @@ class BatchCounts(NamedTuple):
     sequences: int
     tokens: int  # generated tokens
     with_advantage: int  # episodes whose advantage is not 0: none means nothing to learn
+
+
+def whiten_advantages(advantages: list[float], batch: list[tuple[float, int]], eps: float) -> list[float]:
+    """REINFORCE++'s normalisation (Hu 2025, arXiv:2501.03262): (A - mean) / (std + eps), with the mean and
+    (population) std over every generated token of the batch, since each token carries its answer's advantage.
+
+    batch: (advantage, generated tokens) of every answer of the batch (under data parallel: every rank's),
+    these `advantages` among them.
+    """
+    if not batch:
+        return list(advantages)
+    values, tokens = torch.tensor(batch, dtype=torch.float64).T
+    mean = (tokens * values).sum() / tokens.sum()
+    std = ((tokens * (values - mean) ** 2).sum() / tokens.sum()).sqrt()
+    return ((torch.tensor(advantages, dtype=torch.float64) - mean) / (std + eps)).tolist()
+
+
+def high_entropy_threshold(entropies: list[float], fraction: float) -> float:
+    """The entropy at or above which a token is among the batch's `fraction` highest-entropy tokens (its
+    round(fraction x N)-th highest, at least the highest; ties can let a few more in).
+
+    Wang et al. 2025 (arXiv:2506.01939, "Beyond the 80/20 Rule") train only on these "forking" tokens
+    (fraction 0.2), where the answer's reasoning branches; the low-entropy rest is left out of the loss.
+    """
+    values = torch.tensor(entropies, dtype=torch.float32)
+    return values.topk(max(1, round(fraction * len(values)))).values[-1].item()
 
 
 def batch_counts(episodes: list[Episode], advantages: list[float]) -> BatchCounts:
@@ -131,11 +170,11 @@ def episode_loss_weights(episodes: list[Episode], config: LossConfig, num_sequen
 
 
 def surrogate_token_losses(log_probs, old_log_probs, advantages, config: LossConfig, mask=None):
-    """-ratio x advantage per token, or PPO's pessimistic clipped version; also which tokens were clipped.
+    """-ratio x advantage per token, or a bounded version of it (loss.clip); also which tokens were clipped.
 
-    On-policy (old_log_probs = log_probs.detach()) the ratio is 1 and the gradient is advantage x grad log p.
-    GSPO (importance_sampling "sequence") gives every token of an answer the same ratio, the geometric
-    mean of its token ratios over `mask` (the generated positions).
+    On-policy (old_log_probs = log_probs.detach()) the ratio is 1 and every version's gradient is
+    advantage x grad log p. GSPO (importance_sampling "sequence") gives every token of an answer the same
+    ratio, the geometric mean of its token ratios over `mask` (the generated positions).
     """
     log_ratio = log_probs - old_log_probs
     if config.importance_sampling == "sequence":
@@ -143,10 +182,21 @@ def surrogate_token_losses(log_probs, old_log_probs, advantages, config: LossCon
         log_ratio = mean_log_ratio.expand_as(log_ratio)
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
+    not_clipped = torch.zeros_like(ratio, dtype=torch.bool)
     if config.clip == "none":
-        return -unclipped, ratio, torch.zeros_like(ratio, dtype=torch.bool)
-    clip_range_high = config.clip_range if config.clip_range_high is None else config.clip_range_high
-    clipped = ratio.clamp(1 - config.clip_range, 1 + clip_range_high) * advantages
+        return -unclipped, ratio, not_clipped
+    if config.clip == "sapo":
+        # SAPO (Qwen, arXiv:2511.20347; the form TRL and ms-swift document): a smooth gate instead of the hard
+        # clip, f(r) = sigmoid(tau (r - 1)) x 4 / tau, tau = sapo_tau_positive where A > 0, else sapo_tau_negative.
+        # Its gradient 4 sigmoid (1 - sigmoid) r A grad log p is GRPO's at r = 1 and fades as r leaves 1.
+        tau = torch.full_like(advantages, config.sapo_tau_negative).masked_fill(advantages > 0, config.sapo_tau_positive)
+        return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages, ratio, not_clipped
+    cap = 1 + (config.clip_range if config.clip_range_high is None else config.clip_range_high)
+    if config.clip == "cispo":
+        # CISPO (MiniMax-M1, arXiv:2506.13585): -sg(min(r, 1 + eps_high)) x A x log p. The weight is truncated and
+        # detached, so a token past the cap keeps a bounded gradient where PPO's clip would zero it; no lower bound.
+        return -ratio.clamp(max=cap).detach() * advantages * log_probs, ratio, ratio > cap
+    clipped = ratio.clamp(1 - config.clip_range, cap) * advantages
     return -torch.minimum(unclipped, clipped), ratio, clipped < unclipped
 
 
@@ -164,6 +214,36 @@ def episode_batch(episodes: list[Episode], pad_token_id: int, device) -> AnswerB
                         [len(e.prompt_token_ids) for e in episodes], pad_token_id, device)
 
 
+def per_token_values(values: list[list[float]], mask: torch.Tensor) -> torch.Tensor:
+    """One value per generated token of each episode (e.g. its sampler_log_probs) laid out as an AnswerBatch's
+    mask: row i holds episode i's values from column 0, and 0 after them."""
+    laid_out = torch.zeros(mask.shape, dtype=torch.float32)
+    for row, row_values in enumerate(values):
+        laid_out[row, : len(row_values)] = torch.tensor(row_values)
+    return laid_out.to(mask.device)
+
+
+def token_loss_scales(batch: list[Episode], *, log_probs: torch.Tensor, sampler_log_probs: torch.Tensor | None,
+                      mask: torch.Tensor, config: LossConfig, entropy_threshold: float | None) -> torch.Tensor | None:
+    """Detached factors of each token's policy loss, or None: truncated importance sampling's
+    min(p_train / p_sampler, C) (loss.sampler_is_cap) times top-entropy masking's 0 or 1 (loss.top_entropy_fraction).
+
+    Truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy
+    RL Training"): the sampler's numbers are not the trainer's (bfloat16, KV cache, other kernels), so the
+    answers come from a slightly different policy; weighting each token by the ratio corrects that, and the
+    cap C bounds the variance. log_probs: the trainer's, of the policy that sampled (the first epoch's), and
+    sampler_log_probs the sampler's, both laid out as `mask`.
+    """
+    scale = None
+    if config.sampler_is_cap:
+        scale = torch.exp(log_probs.detach() - sampler_log_probs).clamp(max=config.sampler_is_cap)
+    if config.top_entropy_fraction:
+        entropies = per_token_values([e.sampler_entropies for e in batch], mask)
+        keep = (entropies >= entropy_threshold).float()
+        scale = keep if scale is None else scale * keep
+    return scale
+
+
 def update_policy(
     model,
     optimizer_step,
@@ -176,6 +256,7 @@ def update_policy(
     pad_token_id: int,
     progress: bool = False,
     reference_model=None,
+    entropy_threshold: float | None = None,
 ) -> dict[str, float]:
     """`config.epochs_per_rollout` optimizer steps on these episodes; returns sums for `update_metrics`.
 
@@ -185,6 +266,10 @@ def update_policy(
     `optimizer_step.micro_batch(last)` (`last`: an epoch's last micro-batch); `optimizer_step()`
     then applies the accumulated gradients and returns their norm.
     With config.kl_beta > 0, `reference_model` (the frozen initial policy) adds beta x k3 KL per token.
+    With config.top_entropy_fraction, only tokens whose sampler entropy is >= `entropy_threshold` (default:
+    `high_entropy_threshold` of these episodes; under data parallel the caller passes every rank's) train.
+    When the episodes carry the sampler's log-probs (grpo.rollout's do), the first epoch also sums how far the
+    trainer's log-probs are from them (`update_metrics`: sampler_logprob_diff_mean and _max).
     """
     if not counts.with_advantage and not (config.kl_beta and counts.sequences):
         # Every advantage is 0 (no group has any reward spread) and no KL term: the gradient would be exactly
@@ -194,6 +279,13 @@ def update_policy(
         return {}
     if config.kl_beta and reference_model is None:
         raise ValueError("loss.kl_beta > 0 needs the frozen reference model (reference_model=...)")
+    sampled = all(len(e.sampler_log_probs) == e.num_generated_tokens for e in episodes)
+    if (config.sampler_is_cap or config.top_entropy_fraction) and not sampled:
+        raise ValueError("loss.sampler_is_cap and loss.top_entropy_fraction need the sampler's per-token log-probs "
+                         "and entropies (episodes from grpo.rollout)")
+    if config.top_entropy_fraction and entropy_threshold is None:
+        entropy_threshold = high_entropy_threshold([h for e in episodes for h in e.sampler_entropies],
+                                                   config.top_entropy_fraction)
     weights = episode_loss_weights(episodes, config, counts.sequences, counts.tokens, max_gen_len)
     episode_sums = {"advantage_abs_sum": sum(abs(a) for a in advantages), "episodes": len(episodes)}
     if not config.kl_beta and not torch.distributed.is_initialized():
@@ -208,11 +300,14 @@ def update_policy(
     batches = micro_batches(episodes, optim.micro_batch_size)
     old_log_probs = {}  # per micro-batch, from the first epoch: the policy that sampled the episodes
     reference_log_probs = {}  # per micro-batch, from the frozen reference (kl_beta > 0 only)
+    loss_scales = {}  # per micro-batch, token_loss_scales (None: every token weighs fully)
     # Accumulated on the device and read once at the end: a host read per micro-batch would stall
     # the device queue. float64, so sums of float32 values are the same as Python's float sums.
     sums = torch.zeros(len(TOKEN_SUMS), dtype=torch.float64, device=device)
     ratio_max = torch.zeros((), device=device)
     kl_sum = torch.zeros((), dtype=torch.float64, device=device)
+    sampler_diff_sum = torch.zeros((), dtype=torch.float64, device=device)  # |trainer - sampler log p|, first epoch
+    sampler_diff_max = torch.zeros((), device=device)
     grad_norm, num_tokens = 0.0, 0
     model.train()
     for epoch in range(config.epochs_per_rollout):
@@ -225,6 +320,15 @@ def update_policy(
                 log_probs, entropy = answer_log_probs(model, scored, optim.logprob_chunk_size)
                 if epoch == 0:
                     old_log_probs[batch_number] = log_probs.detach()
+                    sampler_log_probs = None
+                    if sampled:
+                        sampler_log_probs = per_token_values([e.sampler_log_probs for e in batch], mask)
+                        diff = (log_probs.detach() - sampler_log_probs).abs() * mask
+                        sampler_diff_sum += diff.sum().double()
+                        sampler_diff_max = torch.maximum(sampler_diff_max, diff.max())
+                    loss_scales[batch_number] = token_loss_scales(
+                        batch, log_probs=log_probs, sampler_log_probs=sampler_log_probs, mask=mask, config=config,
+                        entropy_threshold=entropy_threshold)
                     if config.kl_beta:
                         with torch.no_grad():
                             reference = answer_log_probs(reference_model, scored, optim.logprob_chunk_size)[0]
@@ -236,6 +340,8 @@ def update_policy(
                 token_losses, ratio, clipped = surrogate_token_losses(
                     log_probs, old_log_probs[batch_number], per_token_advantage, config, mask
                 )
+                if loss_scales[batch_number] is not None:
+                    token_losses = token_losses * loss_scales[batch_number]
                 if config.kl_beta:
                     kl = k3_kl(log_probs, reference_log_probs[batch_number])
                     token_losses = token_losses + config.kl_beta * kl
@@ -253,20 +359,29 @@ def update_policy(
     totals = dict(zip(TOKEN_SUMS, sums.tolist()))
     if config.kl_beta:
         totals["kl_sum"] = kl_sum.item()
+    # Always the same keys, so ranks sum them alike; tokens 0 (nothing compared) leaves the metric out.
+    totals |= {"sampler_diff_sum": sampler_diff_sum.item(), "sampler_diff_max": sampler_diff_max.item(),
+               "sampler_diff_tokens": float(sum(e.num_generated_tokens for e in episodes)) if sampled else 0.0}
     return {**totals, **episode_sums,
             "ratio_max": ratio_max.item(), "grad_norm": grad_norm, "update_seconds": time.perf_counter() - start}
 
 
 # What update_policy sums over micro-batches, and then what a caller sums over ranks before update_metrics.
 TOKEN_SUMS = ("loss", "tokens", "entropy", "clipped", "ratio_sum")
-UPDATE_SUMS = (*TOKEN_SUMS, "advantage_abs_sum", "episodes", "kl_sum")  # kl_sum: only with kl_beta > 0
+# kl_sum: only with kl_beta > 0.
+UPDATE_SUMS = (*TOKEN_SUMS, "advantage_abs_sum", "episodes", "kl_sum", "sampler_diff_sum", "sampler_diff_tokens")
 
 
 def update_metrics(totals: dict[str, float]) -> dict[str, float]:
     """Means of update_policy's sums (a single rank's, or every rank's added up)."""
     tokens = max(totals["tokens"], 1)
+    sampler = {}
+    if totals.get("sampler_diff_tokens"):  # episodes with the sampler's log-probs; over ranks, the largest max
+        sampler = {"sampler_logprob_diff_mean": totals["sampler_diff_sum"] / totals["sampler_diff_tokens"],
+                   "sampler_logprob_diff_max": totals["sampler_diff_max"]}
     return {
         **({"kl": totals["kl_sum"] / tokens} if "kl_sum" in totals else {}),
+        **sampler,
         "loss": totals["loss"],
         "grad_norm": totals["grad_norm"],
         "entropy": totals["entropy"] / tokens,

@@ -77,7 +77,8 @@ import tasks
 from data_types import Episode, QuestionBatch
 from evaluate import run_evaluation
 from grpo import (UPDATE_SUMS, BatchCounts, apply_overlong_penalty, batch_counts, compute_advantages,
-                  overlong_penalty, rollout, sample_informative_groups, update_metrics, update_policy)
+                  high_entropy_threshold, overlong_penalty, rollout, sample_informative_groups, update_metrics,
+                  update_policy, whiten_advantages)
 from optimizer import new_adamw
 from run_logging import RunLogger, show_progress
 from runtime import (agreed_run_name, load_model, load_policy, rng_state, set_rng_state, set_up_process,
@@ -191,9 +192,13 @@ def train(config: TrainConfig, resume: str | None = None, overwrite: bool = Fals
         if config.optim.skip_unfinished_episodes:
             train_episodes = [e for e in train_episodes if e.is_finished]
         advantages = compute_advantages(train_episodes, config.loss, all_ranks_rewards(train_episodes, config.loss))
+        if config.loss.whiten_advantages:  # REINFORCE++: over the whole batch, so every rank's answers
+            answers = list(zip(advantages, (e.num_generated_tokens for e in train_episodes)))
+            advantages = whiten_advantages(advantages, all_ranks(answers), config.loss.advantage_eps)
         counts = global_counts(train_episodes, advantages)
         update = update_policy(policy, optimizer_step, train_episodes, advantages, counts, config.loss, config.optim,
-                               config.rollout.max_gen_len, tokenizer.pad_token_id, progress, reference_model)
+                               config.rollout.max_gen_len, tokenizer.pad_token_id, progress, reference_model,
+                               all_ranks_entropy_threshold(train_episodes, config.loss))
         no_reward = log_step(run_logger, step, episodes, update, rollout_seconds, optimizer, config, sampling)
         zero_reward_steps = zero_reward_steps + 1 if no_reward else 0
         if no_reward and zero_reward_steps == config.optim.warn_after_zero_reward_steps:
@@ -289,11 +294,24 @@ def sample_step(sample_round, config: TrainConfig) -> tuple[list[Episode], list[
     }
 
 
+def all_ranks(values: list) -> list:
+    """Every rank's `values`, one list in rank order."""
+    return [value for rank_values in distributed.all_gather(values) for value in rank_values]
+
+
 def all_ranks_rewards(episodes: list[Episode], loss: LossConfig) -> list[float] | None:
     """Every rank's rewards, for loss.std_scope "batch" (the std over the whole batch); else None."""
     if not (loss.std_normalization and loss.std_scope == "batch"):
         return None
-    return [reward for rank_rewards in distributed.all_gather([e.reward for e in episodes]) for reward in rank_rewards]
+    return all_ranks([e.reward for e in episodes])
+
+
+def all_ranks_entropy_threshold(episodes: list[Episode], loss: LossConfig) -> float | None:
+    """loss.top_entropy_fraction's threshold over every rank's generated tokens; else None."""
+    if not loss.top_entropy_fraction:
+        return None
+    entropies = all_ranks([entropy for episode in episodes for entropy in episode.sampler_entropies])
+    return high_entropy_threshold(entropies, loss.top_entropy_fraction) if entropies else None
 
 
 def global_counts(episodes: list[Episode], advantages: list[float]) -> BatchCounts:
@@ -309,7 +327,7 @@ def log_step(run_logger, step: int, episodes: list[Episode], update: dict, rollo
     Returns whether no episode of the step (on any rank) earned any reward.
     """
     update = all_ranks_update_metrics(update)
-    episodes = [episode for rank_episodes in distributed.all_gather(episodes) for episode in rank_episodes]
+    episodes = all_ranks(episodes)
     no_reward = not any(e.reward > 0 for e in episodes)
     if not run_logger:
         return no_reward
@@ -366,8 +384,8 @@ def all_ranks_update_metrics(update: dict) -> dict[str, float]:
     if not update:
         return {}
     sums = {key: update[key] for key in UPDATE_SUMS if key in update}  # kl_sum only with a KL term
-    return update_metrics({**update, **distributed.global_sums(sums),
-                           "ratio_max": distributed.global_max(update["ratio_max"])})
+    maxima = {key: distributed.global_max(update[key]) for key in ("ratio_max", "sampler_diff_max")}
+    return update_metrics({**update, **distributed.global_sums(sums), **maxima})
 
 
 def save_checkpoint(config: TrainConfig, step: int, model, optimizer, generator: torch.Generator, model_dir) -> None:

@@ -44,7 +44,7 @@ import tasks  # noqa: E402
 import tiny_model  # noqa: E402
 import train  # noqa: E402
 from evaluate import EvalConfig, evaluate  # noqa: E402
-from plot_curves import plot_success_curves, success_curve  # noqa: E402
+from bench.plot_curves import plot_success_curves, success_curve  # noqa: E402
 from runtime import load_model, resolve_device, set_cpu_threads  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 from train_sft import SFTConfig, train_sft  # noqa: E402

@@ -268,6 +268,7 @@ FUNCTION_PARTS = {
     "prefill": "prefill (one forward over the prompts)",
     "copy_prompt_cache_to_rows": "prompt cache -> per-answer rows copy",
     "sample": "sampling (softmax, CDF, search)",
+    "token_statistics": "sampled tokens' log-probs and entropies (for the update)",
     "keep_rows_in_place": "cache compaction (evicting finished rows)",
 }
 OP_PARTS = {

@@ -165,12 +165,21 @@ def test_memory_plan_matches_hand_arithmetic(capsys):
 def test_variants_table_gives_mean_min_max_over_seeds(tmp_path):
     from bench import variants_table
 
-    for variant, seed, after, gain in (("dapo", 0, 0.50, 0.10), ("dapo", 1, 0.40, 0.02), ("baseline", 0, 0.45, 0.05)):
-        run = {"seed": seed, "after": {"success_t1": after, "success_greedy": after + 0.05}, "gain_t1": gain,
-               "gain_greedy": gain / 2, "stages": {"grpo_seconds": 100.0 * (seed + 1)}}
-        (tmp_path / f"{variant}-s{seed}").mkdir()
-        (tmp_path / f"{variant}-s{seed}" / "learning_cpu.json").write_text(json.dumps({"seeds": [run]}))
-    rows = {line.split(" | ")[0].strip("| "): line for line in variants_table.table(
-        variants_table.read_runs(tmp_path)).splitlines() if line.startswith("| ") and "variant" not in line}
-    assert rows["dapo"] == "| dapo | 0,1 | 45.0 [40.0, 50.0] | +6.0 [+2.0, +10.0] | 50.0 [45.0, 55.0] | +3.0 [+1.0, +5.0] | 150.0 [100.0, 200.0] |"
-    assert rows["baseline"].startswith("| baseline | 0 | 45.0 [45.0, 45.0] |")
+    for variant, seed, before, after, answers, seconds in (("dapo", 0, 0.40, 0.50, 300, 100.0),
+                                                           ("dapo", 1, 0.38, 0.40, 200, 200.0),
+                                                           ("grpo", 0, 0.40, 0.45, 128, 50.0)):
+        result = {"before": {"success_t1": before, "success_greedy": before + 0.1},
+                  "after": {"success_t1": after, "success_greedy": after + 0.07}, "gain_t1": after - before,
+                  "gain_greedy": after - before - 0.03, "stages": {"grpo_seconds": seconds}, "held_out_questions": 48}
+        row = {"variant": variant, "seed": seed, "result": result, "answers_sampled": answers, "optimizer_steps": 4}
+        (tmp_path / "rows").mkdir(exist_ok=True)
+        (tmp_path / "rows" / f"{variant}-s{seed}.json").write_text(json.dumps(row))
+    lines = variants_table.table(variants_table.read_rows(tmp_path), ["grpo", "dapo"]).splitlines()
+    assert lines[0].startswith("| variant | seeds | SFT T=1 | GRPO T=1 | gain T=1 |")
+    # dapo: SFT 40, 38; GRPO 50, 40; gains +10, +2; greedy SFT 50, 48, GRPO 57, 47, gains +7, -1.
+    assert lines[2:] == [
+        "| grpo | 0 | 40.0 [40.0, 40.0] | 45.0 [45.0, 45.0] | +5.0 [+5.0, +5.0] | 50.0 [50.0, 50.0] | 52.0 [52.0, 52.0] "
+        "| +2.0 [+2.0, +2.0] | 128 [128, 128] | 4 [4, 4] | 50 [50, 50] |",
+        "| dapo | 0,1 | 39.0 [38.0, 40.0] | 45.0 [40.0, 50.0] | +6.0 [+2.0, +10.0] | 49.0 [48.0, 50.0] "
+        "| 52.0 [47.0, 57.0] | +3.0 [-1.0, +7.0] | 250 [200, 300] | 4 [4, 4] | 150 [100, 200] |",
+    ]

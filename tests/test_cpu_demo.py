@@ -2,6 +2,7 @@
 model, SFT warm-up, GRPO), greedy `evaluate.py` on its final checkpoint, and bench/learning_cpu.py."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -57,15 +58,19 @@ def test_shortened_demo_learns_and_its_checkpoint_evaluates_greedily(tmp_path):
     assert sum(rescored) / len(samples) > 0.1
 
 
+# bench/learning_cpu.py's stages at toy sizes: 48 held-out questions, 8 SFT steps, 2 GRPO steps of 2 questions.
+TINY_BENCH = [
+    "task.test_size=48", "eval.max_questions=16", "eval.interval=2", "optim.num_steps=2", "checkpoint.interval=0",
+    "rollout.episodes_per_step=16", "cpu_threads=1",
+    "bootstrap.dataset_args=--size 400 --min-numbers 2 --max-numbers 2 --max-number 20 --with-solutions",
+    "bootstrap.sft_overrides=[optim.num_steps=8, optim.stop_at_success=null, eval.interval=0, data.eval_size=16]",
+]
+
+
 @pytest.mark.slow
 def test_learning_bench_runs_every_seed_and_reuses_its_cache(tmp_path):
     """bench/learning_cpu.py at toy sizes: per-seed data and models, the table, and the cache a variant reuses."""
-    tiny = [
-        "task.test_size=48", "eval.max_questions=16", "eval.interval=2", "optim.num_steps=2", "checkpoint.interval=0",
-        "rollout.episodes_per_step=16", "cpu_threads=1",
-        "bootstrap.dataset_args=--size 400 --min-numbers 2 --max-numbers 2 --max-number 20 --with-solutions",
-        "bootstrap.sft_overrides=[optim.num_steps=8, optim.stop_at_success=null, eval.interval=0, data.eval_size=16]",
-    ]
+    tiny = TINY_BENCH
     cache = tmp_path / "cache"
     variant = tmp_path / "variant.yaml"
     variant.write_text("loss:\n  aggregation: sequence\n")
@@ -87,3 +92,35 @@ def test_learning_bench_runs_every_seed_and_reuses_its_cache(tmp_path):
     table = (tmp_path / "a" / "learning_cpu.md").read_text()
     assert "| mean |" in table and "| min |" in table and "| max |" in table and "standard error" in table
     assert (tmp_path / "a" / "curves.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_variants_table_starts_every_variant_from_the_seeds_sft_model_and_resumes(tmp_path):
+    """bench/variants_table.py's plumbing at toy sizes: two variants and the same-compute control on one seed."""
+    out = tmp_path / "variants"
+    command = ("bench/variants_table.py", "--seeds", "1", "--variants", "grpo", "dapo", "--out", str(out),
+               *set_flags([*TINY_BENCH, "task.test_size=16", "eval.max_questions=8"]))
+    run_script(*command)
+    paths = {path.stem: path for path in (out / "rows").glob("*.json")}
+    assert sorted(paths) == ["dapo-s0", "grpo-s0", "grpo_same_compute-s0"]
+    rows = {name: json.loads(path.read_text()) for name, path in paths.items()}
+    assert len({row["result"]["sft_model"] for row in rows.values()}) == 1 and len(list((out / "cache").iterdir())) == 1
+    assert rows["grpo-s0"]["grpo_config"]["loss"]["kl_beta"] == 0.0  # the preset's, not config_cpu.yaml's 0.05
+    assert rows["grpo-s0"]["answers_sampled"] == 2 * 16  # 2 steps of 16 answers
+    assert rows["dapo-s0"]["grpo_config"]["rollout"]["dynamic_sampling"]
+    # The control: plain GRPO with as many 16-answer steps as it takes to sample what the costlier variant did.
+    steps = math.ceil(max(rows[name]["answers_sampled"] for name in ("grpo-s0", "dapo-s0")) / 16)
+    control = rows["grpo_same_compute-s0"]
+    assert control["grpo_config"]["optim"]["num_steps"] == steps and control["answers_sampled"] == 16 * steps
+    assert control["grpo_config"]["loss"] == rows["grpo-s0"]["grpo_config"]["loss"]
+    table = (out / "variants.md").read_text()
+    assert all(f"| {name} | 0 |" in table for name in ("grpo", "dapo", "grpo_same_compute"))
+
+    # Resumed after an interrupted grpo run (no row, a partial run directory): only grpo runs again.
+    paths["grpo-s0"].unlink()
+    written = {name: path.stat().st_mtime_ns for name, path in paths.items() if name != "grpo-s0"}
+    stdout = run_script(*command)
+    assert "dapo, seed 0: done" in stdout and "grpo_same_compute, seed 0: done" in stdout
+    assert {name: paths[name].stat().st_mtime_ns for name in written} == written
+    rerun = json.loads(paths["grpo-s0"].read_text())
+    assert rerun["result"]["stages"]["cached"] and rerun["result"]["sft_model"] == rows["grpo-s0"]["result"]["sft_model"]

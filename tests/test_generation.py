@@ -205,7 +205,9 @@ def test_decode_step_traces_as_one_graph(model, prompts):
     compiled = torch.compile(decode_step, backend="eager", fullgraph=True, dynamic=False)
     tokens, positions, uniforms = torch.tensor([3, 4]), torch.tensor([0, 0]), torch.tensor([0.3, 0.9])
     expected = decode_step(model, model.new_kv_cache(2, 16), tokens, positions, uniforms, 0.9, 0.8)
-    assert torch.equal(compiled(model, cache, tokens, positions, uniforms, 0.9, 0.8), expected)
+    traced = compiled(model, cache, tokens, positions, uniforms, 0.9, 0.8)
+    assert torch.equal(traced[0], expected[0])  # the tokens; their log-probs and entropies within rounding:
+    torch.testing.assert_close(traced[1:], expected[1:], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -254,6 +256,37 @@ def naive_sampled(model, prompts, num_samples, max_gen_len, eos_token_id, temper
             if evict:
                 in_batch = [row for row in in_batch if not done[row]]
     return [Completion(tokens, finished=tokens[-1] == eos_token_id) for tokens in generated]
+
+
+@pytest.mark.parametrize("flags", FLAG_COMBINATIONS, ids=FLAG_IDS)
+def test_each_token_keeps_its_own_log_prob_and_entropy_as_rows_leave_the_batch(model, prompts, flags):
+    """The sampler's log p and entropy of every generated token, at the sampling temperature and before
+    top_p, against a full forward over that completion: rows finish at different steps and leave the batch."""
+    temperature, top_p, seed = 0.7, 0.9, 4
+    stop_lengths = [3, 20, 9, 17, 1, 12, 20, 6]
+    generator = torch.Generator().manual_seed(seed)
+    completions = generate(model, prompts, 2, 20, -1, temperature=temperature, top_p=top_p, generator=generator,
+                           stop_lengths=stop_lengths, **flags)
+    for row, completion in enumerate(completions):
+        prompt = prompts[row // 2]
+        assert len(completion.token_ids) == len(completion.log_probs) == len(completion.entropies) == stop_lengths[row]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + completion.token_ids]))[0, len(prompt) - 1 : -1].double()
+        probs = torch.softmax(logits / temperature, -1)
+        expected_log_probs = probs.log()[torch.arange(len(completion.token_ids)), completion.token_ids]
+        expected_entropies = -(probs * probs.log()).sum(-1)
+        torch.testing.assert_close(torch.tensor(completion.log_probs, dtype=torch.float64), expected_log_probs,
+                                   rtol=0, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(completion.entropies, dtype=torch.float64), expected_entropies,
+                                   rtol=0, atol=1e-5)
+
+
+def test_greedy_tokens_get_the_untempered_policys_log_probs(model, prompts):
+    completion = generate(model, prompts[:1], 1, 6, -1, temperature=0)[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompts[0] + completion.token_ids]))[0, len(prompts[0]) - 1 : -1].double()
+    expected = torch.log_softmax(logits, -1)[torch.arange(6), completion.token_ids]
+    torch.testing.assert_close(torch.tensor(completion.log_probs, dtype=torch.float64), expected, rtol=0, atol=1e-5)
 
 
 @pytest.fixture
