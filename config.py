@@ -452,7 +452,9 @@ class SFTConfig:
 
 @dataclass
 class EvaluateConfig:
-    """What evaluate.py reads: a --config file may hold only these keys (anything else would be ignored)."""
+    """What evaluate.py reads: a --config file may hold only these keys (anything else would be ignored).
+    A training checkpoint's own config.yaml comes first (its dtype, task and answer length); a plain
+    model directory gets these defaults: float32, answers of up to 1024 tokens (config.yaml's rollout)."""
 
     seed: int = 0
     device: str = "auto"
@@ -530,7 +532,12 @@ def build(schema: type[Config], values: dict | None, prefix: str = "") -> Config
     for field in dataclasses.fields(schema):
         key = _join(prefix, field.name)
         if field.name in values:
-            kwargs[field.name] = _coerce(values[field.name], hints[field.name], key)
+            value = values[field.name]
+            if field.default_factory is not dataclasses.MISSING and isinstance(value, dict):
+                # A section given in part keeps its own defaults for the rest: EvaluateConfig's float32 model,
+                # SFTConfig's eval lengths (a default_factory's, not the section class's).
+                value = merge(to_dict(field.default_factory()), value)
+            kwargs[field.name] = _coerce(value, hints[field.name], key)
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise ConfigError(f"missing required key '{key}'")
     config = schema(**kwargs)
