@@ -156,10 +156,15 @@ class CountdownDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.columns["target"])
 
-    def __getitem__(self, index: int) -> dict:
-        # Rendering and tokenizing lazily keeps construction fast on the 490k-row Hub dataset.
+    def example(self, index: int) -> dict:
+        """The item without its prompt's token ids (tokenizing one prompt at a time is the slow part)."""
         item = {name: values[index] for name, values in self.columns.items()}
         item["prompt"] = render_prompt(self.tokenizer, item["nums"], item["target"])
+        return item
+
+    def __getitem__(self, index: int) -> dict:
+        # Rendering and tokenizing lazily keeps construction fast on the 490k-row Hub dataset.
+        item = self.example(index)
         item["prompt_token_ids"] = self.tokenizer.encode(item["prompt"])
         return item
 

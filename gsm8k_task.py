@@ -160,9 +160,12 @@ class GSM8KDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.examples)
 
+    def example(self, index: int) -> dict:
+        """The item without its prompt's token ids (tokenizing one prompt at a time is the slow part)."""
+        return dict(self.examples[index])
+
     def __getitem__(self, index: int) -> dict:
-        example = self.examples[index]
-        return {**example, "prompt_token_ids": self.tokenizer.encode(example["prompt"])}
+        return {**self.examples[index], "prompt_token_ids": self.tokenizer.encode(self.examples[index]["prompt"])}
 
 
 # ----------------------------------------------------------------------------
