@@ -194,12 +194,17 @@ def run_directory_of(path) -> Path:
     return path.parent if path.name.startswith("step_") or (path / TRAINER_STATE).is_file() else path
 
 
+def latest_resumable(run_dir) -> Path | None:
+    candidates = sorted(Path(run_dir).glob(f"{STEP_GLOB}/{TRAINER_STATE}"))
+    return candidates[-1].parent if candidates else None
+
+
 def find(path) -> Path:
     """A checkpoint directory, or the latest resumable checkpoint inside a run directory."""
     path = Path(path)
     if (path / TRAINER_STATE).is_file():
         return path
-    candidates = sorted(path.glob(f"{STEP_GLOB}/{TRAINER_STATE}"))
-    if not candidates:
+    latest = latest_resumable(path)
+    if latest is None:
         raise CheckpointError(f"--resume {path}: no checkpoint ({STEP_GLOB}/{TRAINER_STATE}) found there")
-    return candidates[-1].parent
+    return latest

@@ -327,7 +327,7 @@ class TrainConfig:
     seed: int = 1337
     device: str = "auto"  # auto, cpu, cuda, cuda:N
     cpu_threads: int | None = None  # torch CPU threads; null: torch's default (all cores)
-    progress: bool = True  # tqdm bars
+    progress: bool = True  # long stages: bars on a terminal, else a log line every 30 s (run_logging.progress_bar)
     model: ModelSetup = field(default_factory=ModelSetup)
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -427,6 +427,9 @@ class SFTConfig:
     optim: SFTOptimConfig = field(default_factory=SFTOptimConfig)
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(interval=100, max_questions=200, max_gen_len=256))
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    # Steps to resume from (<dir>/<run_name>/step_NNNNNN) every `interval` steps (0: none) and on Ctrl-C or
+    # SIGTERM; the fine-tuned model itself goes to output_dir.
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def validate(self) -> None:

@@ -24,9 +24,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
-from tqdm import tqdm
 
 from config import DataError
+from run_logging import log_to_console, progress_bar
 
 logger = logging.getLogger("countdown")
 
@@ -408,7 +408,7 @@ def generate(args: argparse.Namespace) -> Path:
         raise ValueError("need 0 <= --min-number <= --max-number and 1 <= --min-target <= --max-target")
     rng = random.Random(args.seed)
     tasks = []
-    for _ in tqdm(range(args.size), desc="generating CountDown tasks"):
+    for _ in progress_bar(range(args.size), desc="generating CountDown tasks", unit="task"):
         task = generate_task(rng, args)
         # The random tree already proves solvability; the independent solver double-checks it.
         if solve(task["nums"], task["target"]) is None:
@@ -446,4 +446,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    log_to_console()
     main()

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from tqdm import tqdm
 
 from qwen2_model import KVCache, Transformer
+from run_logging import progress_bar
 
 # Reading the finished flags forces a host-device sync; doing it every few steps keeps the device
 # queue full at the cost of a few wasted tokens for rows that finished in between.
@@ -250,7 +250,7 @@ def decode(
     # Slots written so far (all rows), tracked on the host: compaction copies only these.
     filled = int(positions.max())
     next_tokens = sample(logits, temperature, top_p, draw_uniforms(num_rows, temperature, generator, device))
-    bar = tqdm(total=max_gen_len, desc="generate", unit="step", disable=not progress)
+    bar = progress_bar(desc="generate", total=max_gen_len, unit="token", enabled=progress, leave=False)
     for step in range(max_gen_len):
         outputs[row_ids, step] = next_tokens
         finished |= (next_tokens == eos_token_id) | (limits <= step + 1)

@@ -16,9 +16,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 from sympy import Rational
-from tqdm import tqdm
 
 from countdown_task import extract_answer_text, format_reward
+from run_logging import log_to_console, progress_bar
 
 PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
 THINK_PREFILL = "<think>"
@@ -440,7 +440,7 @@ def write_sft_data(data_dir: str | Path, out_path: str | Path, split: str, promp
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with out_path.open("w", encoding="utf-8") as out_file:
-        for row in tqdm(rows, desc=f"GSM8K {split} -> {out_path}"):
+        for row in progress_bar(rows, desc=f"GSM8K {split} -> {out_path}", unit="row"):
             example = make_example(row, template)
             line = {"prompt": example["prompt"], "response": sft_response(example)}
             out_file.write(json.dumps(line, ensure_ascii=False) + "\n")
@@ -461,4 +461,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    log_to_console()
     main()
