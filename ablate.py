@@ -26,6 +26,7 @@ import checkpoint
 import config as config_lib
 from bootstrap import prepare_missing_inputs
 from config import TrainConfig
+from run_logging import log_to_console
 
 logger = logging.getLogger("ablate")
 
@@ -212,7 +213,7 @@ def write_results(rows: list[dict], out_dir: Path, directory, base_path, overrid
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    log_to_console()
     logging.getLogger("tensorboard").setLevel(logging.WARNING)  # its event reader chats at INFO
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directory", help="a directory of override YAMLs, one experiment each")

@@ -15,6 +15,7 @@ import logging
 import shlex
 from pathlib import Path
 
+import checkpoint
 import config as config_lib
 import hub
 import inputs
@@ -69,5 +70,9 @@ def prepare_missing_inputs(config: BootstrapConfig, task: TaskConfig, model: Mod
             logger.info("building the base model %s", sft_config.model.dir)
             tiny_model.main(["--out", sft_config.model.dir, *shlex.split(config.base_model_args)])
         check_inputs(BootstrapConfig(), None, sft_config.model)  # a base model given by Hub id: fetched
-        logger.info("SFT warm-up: %s -> %s", sft_config.model.dir, model.dir)
-        train_sft(sft_config)
+        # A warm-up stopped by Ctrl-C goes on from its checkpoint; else it starts over (its old logs deleted).
+        interrupted = sft_config.run_name and checkpoint.latest_resumable(
+            Path(sft_config.checkpoint.dir) / sft_config.run_name)
+        logger.info("SFT warm-up: %s -> %s%s", sft_config.model.dir, model.dir,
+                    f", continuing from {interrupted}" if interrupted else "")
+        train_sft(sft_config, resume=interrupted and str(interrupted), overwrite=not interrupted)

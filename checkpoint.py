@@ -249,6 +249,20 @@ def run_directory_of(path) -> Path:
     return path.parent if path.name.startswith("step_") or (path / TRAINER_STATE).is_file() else path
 
 
+def continue_in_resumed_run(config, resume: str | None) -> None:
+    """A resumed run goes on in the directory it was resumed from (its name and parent), whatever its stored
+    config says."""
+    if resume:
+        run_dir = run_directory_of(resume)
+        config.run_name, config.checkpoint.dir = run_dir.name, str(run_dir.parent)
+
+
+def latest_resumable(run_dir) -> Path | None:
+    """The run directory's latest checkpoint that can be resumed (one with its trainer state); None if none."""
+    candidates = sorted(Path(run_dir).glob(f"{STEP_GLOB}/{TRAINER_STATE}"))
+    return candidates[-1].parent if candidates else None
+
+
 def find(path) -> Path | None:
     """The checkpoint --resume `path` continues from: `path` itself, or the latest resumable checkpoint in
     the run directory `path`; None for a run that stopped before its first checkpoint (it starts over)."""
@@ -258,9 +272,9 @@ def find(path) -> Path | None:
     if not path.is_dir():
         raise CheckpointError(f"--resume {path}: no such directory; pass a run directory (<checkpoint.dir>/<run_name>) "
                               f"or one of its {STEP_GLOB} checkpoints")
-    candidates = sorted(path.glob(f"{STEP_GLOB}/{TRAINER_STATE}"))
-    if candidates:
-        return candidates[-1].parent
+    latest = latest_resumable(path)
+    if latest is not None:
+        return latest
     if path.name.startswith("step_") or any(path.glob(STEP_GLOB)):
         raise CheckpointError(f"--resume {path}: no checkpoint with {TRAINER_STATE} there (weights only, saved with "
                               "checkpoint.optimizer_state: false, cannot be resumed); resume from a resumable step "

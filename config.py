@@ -363,7 +363,7 @@ class TrainConfig:
     seed: int = 1337
     device: str = "auto"  # auto, cpu, cuda, cuda:N
     cpu_threads: int | None = None  # torch CPU threads; null: torch's default (all cores)
-    progress: bool = True  # tqdm bars
+    progress: bool = True  # long stages: bars on a terminal, else a log line every 30 s (run_logging.progress_bar)
     model: ModelSetup = field(default_factory=ModelSetup)
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -463,6 +463,9 @@ class SFTConfig:
     optim: SFTOptimConfig = field(default_factory=SFTOptimConfig)
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(interval=100, max_questions=200, max_gen_len=256))
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    # Steps to resume from (<dir>/<run_name>/step_NNNNNN) every `interval` steps (0: none) and on Ctrl-C or
+    # SIGTERM; the fine-tuned model itself goes to output_dir.
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def validate(self) -> None:
@@ -488,7 +491,9 @@ class SFTConfig:
 
 @dataclass
 class EvaluateConfig:
-    """What evaluate.py reads: a --config file may hold only these keys (anything else would be ignored)."""
+    """What evaluate.py reads: a --config file may hold only these keys (anything else would be ignored).
+    A training checkpoint's own config.yaml comes first (its dtype, task and answer length); a plain
+    model directory gets these defaults: float32, answers of up to 1024 tokens (config.yaml's rollout)."""
 
     seed: int = 0
     device: str = "auto"
@@ -573,7 +578,12 @@ def build(schema: type[Config], values: dict | None, prefix: str = "") -> Config
     for field in dataclasses.fields(schema):
         key = _join(prefix, field.name)
         if field.name in values:
-            kwargs[field.name] = _coerce(values[field.name], hints[field.name], key)
+            value = values[field.name]
+            if field.default_factory is not dataclasses.MISSING and isinstance(value, dict):
+                # A section given in part keeps its own defaults for the rest: EvaluateConfig's float32 model,
+                # SFTConfig's eval lengths (a default_factory's, not the section class's).
+                value = merge(to_dict(field.default_factory()), value)
+            kwargs[field.name] = _coerce(value, hints[field.name], key)
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise ConfigError(f"missing required key '{key}'")
     config = schema(**kwargs)

@@ -24,10 +24,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
-from tqdm import tqdm
 
 from config import DataError
 from inputs import COUNTDOWN_HUB_ID, countdown_files, read_parquet
+from run_logging import log_to_console, progress_bar
 
 logger = logging.getLogger("countdown")
 
@@ -146,10 +146,15 @@ class CountdownDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.columns["target"])
 
-    def __getitem__(self, index: int) -> dict:
-        # Rendering and tokenizing lazily keeps construction fast on the 490k-row Hub dataset.
+    def example(self, index: int) -> dict:
+        """The item without its prompt's token ids (tokenizing one prompt at a time is the slow part)."""
         item = {name: values[index] for name, values in self.columns.items()}
         item["prompt"] = render_prompt(self.tokenizer, item["nums"], item["target"], self.question_last)
+        return item
+
+    def __getitem__(self, index: int) -> dict:
+        # Rendering and tokenizing lazily keeps construction fast on the 490k-row Hub dataset.
+        item = self.example(index)
         item["prompt_token_ids"] = self.tokenizer.encode(item["prompt"])
         return item
 
@@ -391,7 +396,7 @@ def generate(args: argparse.Namespace) -> Path:
         raise ValueError("need 0 <= --min-number <= --max-number and 1 <= --min-target <= --max-target")
     rng = random.Random(args.seed)
     tasks = []
-    for _ in tqdm(range(args.size), desc="generating CountDown tasks"):
+    for _ in progress_bar(range(args.size), desc="generating CountDown tasks", unit="task"):
         task = generate_task(rng, args)
         # The random tree already proves solvability; the independent solver double-checks it.
         if solve(task["nums"], task["target"]) is None:
@@ -429,4 +434,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    log_to_console()
     main()

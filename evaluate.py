@@ -5,8 +5,11 @@
     uv run evaluate.py --model MODEL_DIR --data DATA_DIR [--task gsm8k]   # any model, no config needed
     uv run evaluate.py --model Qwen/Qwen2.5-3B-Instruct --data Jiayi-Pan/Countdown-Tasks-3to4  # Hub ids (hub.py)
 
-Reports success rate (pass@1, and pass@k when K > 1), format rate and mean response length, and
-writes every sample to JSONL. train.py's periodic evaluation calls the same `evaluate` function.
+A training checkpoint is evaluated with its own config.yaml (task, dtype, answer length); any other
+model directory in float32 with answers of up to 1024 tokens (--set eval.max_gen_len=N,
+--set model.dtype=bfloat16 to change them). Reports success rate (pass@1, and pass@k when K > 1),
+format rate (the share of answers in the task's format) and mean response length, and writes every
+sample to JSONL. train.py's periodic evaluation calls the same `evaluate` function.
 Under torchrun (`uv run torchrun --nproc_per_node N evaluate.py ...`) the questions are split over the
 ranks and the samples gathered.
 """
@@ -17,10 +20,11 @@ import logging
 from pathlib import Path
 
 import bootstrap
+import checkpoint
 import config as config_lib
 import hub
 import inputs
-from config import BootstrapConfig, EvalConfig, EvaluateConfig, RolloutConfig
+from config import BootstrapConfig, EvalConfig, EvaluateConfig, MissingInputError, RolloutConfig
 
 logger = logging.getLogger("evaluate")
 
@@ -52,8 +56,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = parser.parse_args(argv)
     args.model = config_lib.expand_path(args.model)  # like every path key: ~ and $VARIABLES
-    args.out = config_lib.expand_path(args.out or default_out(args.model, args.split))
+    args.out = Path(config_lib.expand_path(args.out or default_out(args.model, args.split)))
     return args
+
+
+def check_model_path(model_dir: Path) -> None:
+    """A missing model is named, with the checkpoints its run directory does hold (a mistyped step); a Hub id
+    is fetched and checked with the other inputs."""
+    if model_dir.exists() or hub.is_hub_id(str(model_dir)):
+        return
+    steps = sorted(path.name for path in model_dir.parent.glob(checkpoint.STEP_GLOB)) if model_dir.parent.is_dir() else []
+    holds = f"; {model_dir.parent} holds {', '.join(steps)}" if steps else ""
+    raise MissingInputError(f"--model {model_dir}: no such checkpoint or model directory{holds}")
+
+
+def check_out_path(out_path: Path) -> None:
+    """The samples file must be writable: found out now, not after the whole generation."""
+    if out_path.is_dir():
+        raise config_lib.InputError(f"--out {out_path} is a directory; pass a file, e.g. --out {out_path / 'samples.jsonl'}")
+    inputs.check_writable("--out", out_path.parent)
 
 
 def from_training_config(values: dict) -> dict:
@@ -61,8 +82,10 @@ def from_training_config(values: dict) -> dict:
     picked = {key: values[key] for key in ("seed", "device", "cpu_threads", "progress", "model", "task", "eval")
               if key in values}
     picked["model"] = {key: value for key, value in picked.get("model", {}).items() if key != "dir"}
-    if picked.get("eval", {}).get("max_gen_len") is None and "rollout" in values:
-        picked["eval"] = {**picked.get("eval", {}), "max_gen_len": values["rollout"].get("max_gen_len", 1024)}
+    if picked.get("eval", {}).get("max_gen_len") is None:  # null: GRPO's rollout length, else evaluate.py's default
+        picked["eval"] = {key: value for key, value in picked.get("eval", {}).items() if key != "max_gen_len"}
+        if "rollout" in values:
+            picked["eval"]["max_gen_len"] = values["rollout"].get("max_gen_len", 1024)
     return picked
 
 
@@ -80,10 +103,13 @@ def load_config(args: argparse.Namespace) -> EvaluateConfig:
     if "dir" in values.get("model", {}):
         raise config_lib.ConfigError("model.dir: evaluate.py takes the model from --model; remove model.dir")
     config_lib.apply_override(values, f"model.dir={model_dir}")
+    config = config_lib.build(EvaluateConfig, values)
+    check_model_path(model_dir)  # a missing checkpoint is named, before the data it would have told us
     if not values.get("task", {}).get("data_dir"):
         raise config_lib.ConfigError("task.data_dir: evaluate.py needs the data: pass --data DIR (or a --config with "
                                      "task.data_dir)")
-    return config_lib.build(EvaluateConfig, values)
+    check_out_path(args.out)
+    return config
 
 
 def read_command_line(argv: list[str] | None = None) -> tuple[argparse.Namespace, EvaluateConfig]:
@@ -91,7 +117,6 @@ def read_command_line(argv: list[str] | None = None) -> tuple[argparse.Namespace
     args = parse_args(argv)
     config = load_config(args)
     bootstrap.check_inputs(BootstrapConfig(), config.task, config.model, splits=(args.split,))  # Hub ids fetched
-    inputs.check_writable("--out", Path(args.out).parent)
     return args, config
 
 
@@ -99,14 +124,13 @@ if __name__ == "__main__":
     config_lib.check_command_line(read_command_line)
 
 import torch
-from tqdm import tqdm
 
 import distributed
 import tasks
 from data_types import QuestionBatch
 from grpo import rollout
-from run_logging import show_progress
-from runtime import load_model, resolve_device, set_cpu_threads
+from run_logging import log_to_console, progress_bar
+from runtime import exit_on_interrupt, load_model, resolve_device, set_cpu_threads
 from tokenizer import Tokenizer
 
 # ----------------------------------------------------------------------------- evaluation
@@ -136,7 +160,8 @@ def evaluate(
     samples = []
     # Under FSDP, gathered once for the whole loop: ranks may run different numbers of batches.
     with distributed.full_parameters(model):
-        for start in tqdm(range(0, len(questions), config.batch_size), desc="eval", disable=not progress, leave=False):
+        batch_starts = range(0, len(questions), config.batch_size)
+        for start in progress_bar(batch_starts, desc="eval", unit="batch", enabled=progress, leave=False):
             question_indices = questions[start : start + config.batch_size]
             batch = QuestionBatch.of_items([dataset[i] for i in question_indices])
             # progress: the generation bar moves with every decoded token, not once per batch.
@@ -187,11 +212,14 @@ def summarize(samples: list[dict], num_samples: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    log_to_console()
     try:
         args, config = read_command_line(argv)
-        run(config, args.split, Path(args.out))
+        run(config, args.split, args.out)
     except config_lib.InputError as error:
         config_lib.exit_on_input_error(error)
+    except KeyboardInterrupt as stop:
+        exit_on_interrupt(stop)
 
 
 
@@ -203,7 +231,7 @@ def run(config: EvaluateConfig, split: str, out_path: Path) -> None:
     model = load_model(config.model, device)
     generator = torch.Generator(device=device).manual_seed(config.seed)
     metrics, samples = evaluate(model, tokenizer, dataset, tasks.reward_function(config.task), config.eval.max_gen_len,
-                                config.eval, generator, progress=show_progress(config.progress))
+                                config.eval, generator, progress=config.progress and distributed.is_main_process())
     if not distributed.is_main_process():
         return
     out_path.parent.mkdir(parents=True, exist_ok=True)

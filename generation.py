@@ -11,10 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from tqdm import tqdm
 
 from logprobs import shared_prefix_length
 from qwen2_model import KVCache, Transformer
+from run_logging import progress_bar
 
 # Reading the finished flags forces a host-device sync; doing it every few steps keeps the device
 # queue full at the cost of a few wasted tokens for rows that finished in between.
@@ -292,7 +292,7 @@ def decode(
     # log-probs stay aligned with its tokens however the batch shrinks.
     next_tokens, next_log_probs, next_entropies = sample_and_score(
         logits, temperature, top_p, draw_uniforms(num_rows, temperature, generator, device))
-    bar = tqdm(total=max_gen_len, desc="generate", unit="step", disable=not progress)
+    bar = progress_bar(desc="generate", total=max_gen_len, unit="token", enabled=progress, leave=False)
     for step in range(max_gen_len):
         outputs[row_ids, step] = next_tokens
         log_probs[row_ids, step], entropies[row_ids, step] = next_log_probs, next_entropies

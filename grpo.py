@@ -15,12 +15,12 @@ from collections import defaultdict
 from typing import Callable, NamedTuple
 
 import torch
-from tqdm import tqdm
 
 from config import LossConfig, OptimConfig, RolloutConfig
 from data_types import Episode, QuestionBatch
 from generation import generate
 from logprobs import AnswerBatch, answer_batch, answer_log_probs
+from run_logging import progress_bar
 
 logger = logging.getLogger(__name__)
 RewardForItem = Callable[[str, dict, str | None], dict]
@@ -311,7 +311,8 @@ def update_policy(
     grad_norm, num_tokens = 0.0, 0
     model.train()
     for epoch in range(config.epochs_per_rollout):
-        bar = tqdm(batches, desc=f"update {epoch + 1}/{config.epochs_per_rollout}", disable=not progress, leave=False)
+        bar = progress_bar(batches, desc=f"update {epoch + 1}/{config.epochs_per_rollout}", unit="micro-batch",
+                           enabled=progress, leave=False)
         for batch_number, indices in enumerate(bar):
             batch = [episodes[i] for i in indices]
             scored = episode_batch(batch, pad_token_id, device)

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 from sympy import Rational
-from tqdm import tqdm
 
 import hub
 from config import ConfigError, DataError, InputError, exit_on_input_error
 from countdown_task import extract_answer_text, format_reward
 from inputs import GSM8K_DOWNLOAD_HINT, GSM8K_HUB_FILES, gsm8k_files, read_parquet
+from run_logging import log_to_console, progress_bar
 
 PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
 THINK_PREFILL = "<think>"
@@ -144,9 +144,12 @@ class GSM8KDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.examples)
 
+    def example(self, index: int) -> dict:
+        """The item without its prompt's token ids (tokenizing one prompt at a time is the slow part)."""
+        return dict(self.examples[index])
+
     def __getitem__(self, index: int) -> dict:
-        example = self.examples[index]
-        return {**example, "prompt_token_ids": self.tokenizer.encode(example["prompt"])}
+        return {**self.examples[index], "prompt_token_ids": self.tokenizer.encode(self.examples[index]["prompt"])}
 
 
 # ----------------------------------------------------------------------------
@@ -421,7 +424,7 @@ def write_sft_data(data_dir: str | Path, out_path: str | Path, split: str, promp
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with out_path.open("w", encoding="utf-8") as out_file:
-        for row in tqdm(rows, desc=f"GSM8K {split} -> {out_path}"):
+        for row in progress_bar(rows, desc=f"GSM8K {split} -> {out_path}", unit="row"):
             example = make_example(row, template)
             line = {"prompt": example["prompt"], "response": sft_response(example)}
             out_file.write(json.dumps(line, ensure_ascii=False) + "\n")
@@ -447,4 +450,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    log_to_console()
     main()

@@ -3,16 +3,90 @@
 import html
 import logging
 import sys
+import time
+from collections.abc import Iterable
 from pathlib import Path
+
+from tqdm import tqdm
 
 from config import LoggingConfig
 
 logger = logging.getLogger(__name__)
+PROGRESS_LINE_SECONDS = 30.0  # off a terminal, a long stage reports at most this often
 
 
-def show_progress(requested: bool) -> bool:
-    """Progress bars only on a terminal: redirected to a file they are mostly redraws; the log lines stay."""
-    return requested and sys.stderr.isatty()
+def log_to_console(level: int = logging.INFO) -> None:
+    """The entry points' log lines on stderr: time and message."""
+    logging.basicConfig(level=level, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", handlers=[AboveBars()])
+
+
+class AboveBars(logging.StreamHandler):
+    """Log lines to stderr through tqdm.write: on a terminal they go above the progress bars, not across them."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:
+            self.handleError(record)
+
+
+def progress_bar(iterable: Iterable | None = None, *, desc: str, total: int | None = None, unit: str = "it",
+                 enabled: bool = True, leave: bool = True):
+    """The progress of a long stage, with tqdm's interface (iterate, update, set_postfix, close).
+
+    On a terminal, a tqdm bar. Elsewhere (a log file, a pipe) redraws would fill the file, so a plain log
+    line every PROGRESS_LINE_SECONDS with done/total, rate and ETA; a stage that ends sooner prints nothing.
+    Nothing at all when not `enabled` (the config's `progress: false`, or a rank other than 0).
+    """
+    if enabled and sys.stderr.isatty():
+        return tqdm(iterable, desc=desc, total=total, unit=unit, leave=leave)
+    return ProgressLines(iterable, desc=desc, total=total, unit=unit, enabled=enabled, leave=leave)
+
+
+class ProgressLines:
+    """progress_bar off a terminal: one log line per PROGRESS_LINE_SECONDS, at the update that crosses it."""
+
+    def __init__(self, iterable: Iterable | None, *, desc: str, total: int | None, unit: str, enabled: bool,
+                 leave: bool):
+        self.iterable, self.desc, self.unit, self.enabled, self.leave = iterable, desc, unit, enabled, leave
+        self.total = total if total is not None or not hasattr(iterable, "__len__") else len(iterable)
+        self.n, self.postfix, self.printed = 0, "", False
+        self.start = self.last_line = time.monotonic()
+
+    def __iter__(self):
+        for item in self.iterable:
+            yield item
+            self.update()
+        self.close()
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        now = time.monotonic()
+        if self.enabled and now - self.last_line >= PROGRESS_LINE_SECONDS:
+            self.last_line, self.printed = now, True
+            logger.info(self.line(now - self.start))
+
+    def set_postfix(self, **values) -> None:
+        self.postfix = "".join(f" | {key} {value}" for key, value in values.items())
+
+    def close(self) -> None:
+        """A stage that reported ends with a line of its totals (unless leave=False, as tqdm clears its bar)."""
+        if self.printed and self.leave:
+            logger.info(self.line(time.monotonic() - self.start, done=True))
+        self.printed = False
+
+    def line(self, elapsed: float, done: bool = False) -> str:
+        rate = self.n / max(elapsed, 1e-9)
+        speed = f"{rate:.2f} {self.unit}/s" if rate >= 1 else f"{1 / rate:.1f} s/{self.unit}" if rate else "-"
+        if self.total is None:
+            return f"{self.desc}: {self.n} {self.unit} | {speed} | elapsed {tqdm.format_interval(elapsed)}{self.postfix}"
+        head = f"{self.desc}: {self.n}/{self.total} ({100 * self.n / max(self.total, 1):.0f}%) | {speed}"
+        if done:
+            return f"{head} | took {tqdm.format_interval(elapsed)}{self.postfix}"
+        eta = tqdm.format_interval((self.total - self.n) / rate) if rate else "?"
+        return f"{head} | elapsed {tqdm.format_interval(elapsed)} | ETA {eta}{self.postfix}"
+
+
 WANDB_STEP = "step"  # the x-axis of every W&B chart
 
 

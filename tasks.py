@@ -40,10 +40,12 @@ def is_well_formatted(reward_info: dict[str, float]) -> bool:
 
 
 def sft_pairs(config: TaskConfig, tokenizer) -> list[dict[str, str]]:
-    """{"prompt", "response"} pairs from the task's training split and its reference solutions."""
+    """{"prompt", "response"} pairs from the task's training split and its reference solutions (as text:
+    train_sft tokenizes them all at once)."""
     task_module = countdown_task if config.name == "countdown" else gsm8k_task
     dataset = load_dataset(config, tokenizer, "train")
-    if "solution" not in dataset[0]:  # CountDown data from the Hub, or generated without --with-solutions
+    if "solution" not in dataset.example(0):  # CountDown data from the Hub, or generated without --with-solutions
         raise config_lib.DataError(f"task.data_dir: {config.data_dir} holds no reference solutions (no `solution` "
                                    f"column). {countdown_data_hint(Path(config.data_dir), with_solutions=True)}")
-    return [{"prompt": item["prompt"], "response": task_module.sft_response(item)} for item in dataset]
+    items = map(dataset.example, range(len(dataset)))
+    return [{"prompt": item["prompt"], "response": task_module.sft_response(item)} for item in items]

@@ -65,5 +65,9 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """encode() of each text, on all cores at once: thousands of texts in seconds, not minutes."""
+        return [encoding.ids for encoding in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

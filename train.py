@@ -43,16 +43,9 @@ def read_command_line(argv: list[str] | None = None) -> tuple[argparse.Namespace
     # A run that stopped before its first checkpoint has only its run directory's config.yaml: it starts over.
     stored_config = args.resume and (checkpoint_dir or Path(args.resume)) / checkpoint.RUN_CONFIG
     config = config_lib.load(TrainConfig, args.config or [stored_config or "config.yaml"], args.set)
-    continue_in_resumed_run(config, args.resume)
+    checkpoint.continue_in_resumed_run(config, args.resume)
     check_inputs(config, checkpoint_dir)
     return args, config
-
-
-def continue_in_resumed_run(config: TrainConfig, resume: str | None) -> None:
-    """A resumed run goes on in the directory it was resumed from, whatever its stored config says."""
-    if resume:
-        run_dir = checkpoint.run_directory_of(resume)
-        config.run_name, config.checkpoint.dir = run_dir.name, str(run_dir.parent)
 
 
 def check_inputs(config: TrainConfig, checkpoint_dir: Path | None) -> None:
@@ -80,9 +73,9 @@ from grpo import (UPDATE_SUMS, BatchCounts, apply_overlong_penalty, batch_counts
                   high_entropy_threshold, overlong_penalty, rollout, sample_informative_groups, update_metrics,
                   update_policy, whiten_advantages)
 from optimizer import new_adamw
-from run_logging import RunLogger, show_progress
-from runtime import (agreed_run_name, load_model, load_policy, rng_state, set_rng_state, set_up_process,
-                     step_indices)
+from run_logging import RunLogger, log_to_console, progress_bar
+from runtime import (RunStopped, StopRequest, exit_on_interrupt, load_model, load_policy, name_run,
+                     restore_trainer_state, save_checkpoint, set_up_process, step_indices)
 from tokenizer import Tokenizer
 
 logger = logging.getLogger("train")
@@ -134,6 +127,8 @@ def episode_metrics(episodes: list[Episode], num_answers_per_question: int) -> d
         "reward/format": sum(e.reward_info["format_reward"] for e in episodes) / len(episodes),
         "reward/answer": sum(e.reward_info["answer_reward"] for e in episodes) / len(episodes),
         "train/success_rate": sum(tasks.is_success(e.reward_info) for e in episodes) / len(episodes),
+        # The share of well-formatted answers, as evaluate.py's format_rate (reward/format is the mean reward).
+        "train/format_rate": sum(tasks.is_well_formatted(e.reward_info) for e in episodes) / len(episodes),
         "train/zero_spread_group_fraction": (grouped.max(1).values == grouped.min(1).values).float().mean().item(),
         "train/finished_episodes": float(sum(e.is_finished for e in episodes)),
         "response_length/mean": lengths.mean().item(),
@@ -166,9 +161,9 @@ def train(config: TrainConfig, resume: str | None = None, overwrite: bool = Fals
         optimizer = new_adamw(model.parameters(), config.optim)
         optimizer_step = distributed.OptimizerStep(policy, optimizer, config.optim.max_grad_norm)
         generator = torch.Generator(device=device).manual_seed(config.seed + distributed.rank())
-        start_step = restore_trainer_state(checkpoint_dir, model, optimizer, generator) if checkpoint_dir else 0
+        start_step = restore_trainer_state(checkpoint_dir, model, optimizer, generator)["step"] if checkpoint_dir else 0
     run_logger = open_run(config, start_step)  # rank 0 only
-    progress = show_progress(config.progress) and distributed.is_main_process()
+    progress = config.progress and distributed.is_main_process()
     logger.info("run %s on %s: %d train / %d test questions, logs in %s", config.run_name, device, len(train_set),
                 len(test_set), Path(config.logging.log_dir) / config.run_name)
 
@@ -177,39 +172,50 @@ def train(config: TrainConfig, resume: str | None = None, overwrite: bool = Fals
                                    run_logger, progress=progress)
     eval_metrics = evaluation(step=0) if config.eval.interval and start_step == 0 else {}
     zero_reward_steps = 0  # consecutive steps in which no episode earned any reward
-    for step in range(start_step + 1, config.optim.num_steps + 1):
-        def sample_round(round_index: int) -> list[Episode]:  # the rollout of one round of the step's questions
-            batch = question_batch(train_set, step, config, round_index)
-            return rollout(model, tokenizer, batch, reward_for_item, config.rollout, generator, progress)
+    stopping = False
+    with StopRequest() as stop:  # Ctrl-C or SIGTERM: the current step ends, is saved, and the run stops
+        steps = progress_bar(range(start_step + 1, config.optim.num_steps + 1), desc="grpo", unit="step",
+                             enabled=progress)
+        for step in steps:
+            def sample_round(round_index: int) -> list[Episode]:  # the rollout of one round of the step's questions
+                batch = question_batch(train_set, step, config, round_index)
+                return rollout(model, tokenizer, batch, reward_for_item, config.rollout, generator, progress)
 
-        rollout_start = time.perf_counter()
-        model.eval()
-        with distributed.full_parameters(model):
-            episodes, train_episodes, sampling = sample_step(sample_round, config)
-        rollout_seconds = time.perf_counter() - rollout_start
-        if config.loss.overlong_buffer_fraction:  # DAPO: shaped for the advantages; the logged rewards stay the task's
-            train_episodes = apply_overlong_penalty(train_episodes, config.rollout.max_gen_len, config.loss)
-        if config.optim.skip_unfinished_episodes:
-            train_episodes = [e for e in train_episodes if e.is_finished]
-        advantages = compute_advantages(train_episodes, config.loss, all_ranks_rewards(train_episodes, config.loss))
-        if config.loss.whiten_advantages:  # REINFORCE++: over the whole batch, so every rank's answers
-            answers = list(zip(advantages, (e.num_generated_tokens for e in train_episodes)))
-            advantages = whiten_advantages(advantages, all_ranks(answers), config.loss.advantage_eps)
-        counts = global_counts(train_episodes, advantages)
-        update = update_policy(policy, optimizer_step, train_episodes, advantages, counts, config.loss, config.optim,
-                               config.rollout.max_gen_len, tokenizer.pad_token_id, progress, reference_model,
-                               all_ranks_entropy_threshold(train_episodes, config.loss))
-        no_reward = log_step(run_logger, step, episodes, update, rollout_seconds, optimizer, config, sampling)
-        zero_reward_steps = zero_reward_steps + 1 if no_reward else 0
-        if no_reward and zero_reward_steps == config.optim.warn_after_zero_reward_steps:
-            warn_no_reward(config, zero_reward_steps)
-        if config.eval.interval and step % config.eval.interval == 0:
-            eval_metrics = evaluation(step=step)
-        if (config.checkpoint.interval and step % config.checkpoint.interval == 0) or step == config.optim.num_steps:
-            save_checkpoint(config, step, model, optimizer, generator, model_dir)
+            rollout_start = time.perf_counter()
+            model.eval()
+            with distributed.full_parameters(model):
+                episodes, train_episodes, sampling = sample_step(sample_round, config)
+            rollout_seconds = time.perf_counter() - rollout_start
+            if config.loss.overlong_buffer_fraction:  # DAPO: shaped for the advantages; the logged rewards stay the task's
+                train_episodes = apply_overlong_penalty(train_episodes, config.rollout.max_gen_len, config.loss)
+            if config.optim.skip_unfinished_episodes:
+                train_episodes = [e for e in train_episodes if e.is_finished]
+            advantages = compute_advantages(train_episodes, config.loss, all_ranks_rewards(train_episodes, config.loss))
+            if config.loss.whiten_advantages:  # REINFORCE++: over the whole batch, so every rank's answers
+                answers = list(zip(advantages, (e.num_generated_tokens for e in train_episodes)))
+                advantages = whiten_advantages(advantages, all_ranks(answers), config.loss.advantage_eps)
+            counts = global_counts(train_episodes, advantages)
+            update = update_policy(policy, optimizer_step, train_episodes, advantages, counts, config.loss, config.optim,
+                                   config.rollout.max_gen_len, tokenizer.pad_token_id, progress, reference_model,
+                                   all_ranks_entropy_threshold(train_episodes, config.loss))
+            no_reward = log_step(run_logger, step, episodes, update, rollout_seconds, optimizer, config, sampling)
+            zero_reward_steps = zero_reward_steps + 1 if no_reward else 0
+            if no_reward and zero_reward_steps == config.optim.warn_after_zero_reward_steps:
+                warn_no_reward(config, zero_reward_steps)
+            if config.eval.interval and step % config.eval.interval == 0:
+                eval_metrics = evaluation(step=step)
+            stopping = stop.requested() and step < config.optim.num_steps
+            last = stopping or step == config.optim.num_steps  # this process's last checkpoint: resumable
+            if last or (config.checkpoint.interval and step % config.checkpoint.interval == 0):
+                save_checkpoint(config, step, model, optimizer, model_dir, generator=generator, resumable=last)
+            if stopping:
+                break
+        steps.close()
     if run_logger:
         run_logger.close()
         run_claim.release()
+    if stopping:
+        raise RunStopped("train.py", stop.signal, step, Path(config.checkpoint.dir) / config.run_name)
     return eval_metrics
 
 
@@ -221,8 +227,7 @@ def start_run(config: TrainConfig, resume: str | None, overwrite: bool) -> tuple
     checkpoint to resume from (None: a new run, or one that stopped before its first checkpoint) and the
     claim to release at the end."""
     checkpoint_dir = checkpoint.find(resume) if resume else None
-    continue_in_resumed_run(config, resume)
-    config.run_name = config.run_name or agreed_run_name()
+    name_run(config, resume)
     base_model = None if checkpoint_dir else config.model  # resuming, the checkpoint is the model
     bootstrap.check_inputs(config.bootstrap, config.task, base_model)  # before the run directory exists; Hub ids fetched
     run_claim = None
@@ -233,19 +238,6 @@ def start_run(config: TrainConfig, resume: str | None, overwrite: bool) -> tuple
         with checkpoint.released_on_error(run_claim):
             bootstrap.prepare_missing_inputs(config.bootstrap, config.task, base_model)
     return checkpoint_dir, run_claim
-
-
-def restore_trainer_state(checkpoint_dir: Path, model, optimizer, generator: torch.Generator) -> int:
-    """Load the optimizer and this rank's random states from a checkpoint; returns its step."""
-    state = checkpoint.load_trainer_state(checkpoint_dir)
-    if len(state["rng_per_rank"]) != distributed.world_size():
-        raise ValueError(f"{checkpoint_dir} was written by {len(state['rng_per_rank'])} ranks; resume it with "
-                         f"as many (torchrun --nproc_per_node ...), not {distributed.world_size()}.")
-    distributed.load_optimizer_state_dict(model, optimizer, state["optimizer"])
-    generator.set_state(state["rng_per_rank"][distributed.rank()]["generator"])
-    set_rng_state(state["rng_per_rank"][distributed.rank()]["rng"])
-    logger.info("resumed from %s at step %d", checkpoint_dir, state["step"])
-    return state["step"]
 
 
 def open_run(config: TrainConfig, start_step: int) -> RunLogger | None:
@@ -346,7 +338,7 @@ def log_step(run_logger, step: int, episodes: list[Episode], update: dict, rollo
                                                                   config.loss) for e in episodes) / len(episodes)
     run_logger.scalars(metrics, step)
     head = (f"step {step} | reward {metrics['reward/mean']:.3f} | success {metrics['train/success_rate']:.3f} | "
-            f"format {metrics['reward/format']:.3f} | flat groups {metrics['train/zero_spread_group_fraction']:.2f}")
+            f"format {metrics['train/format_rate']:.3f} | flat groups {metrics['train/zero_spread_group_fraction']:.2f}")
     rollout = (f"len {metrics['response_length/mean']:.0f} | rollout {rollout_seconds:.1f}s "
                f"({metrics['time/generated_tokens_per_second']:.0f} tok/s)")
     if update:
@@ -388,34 +380,15 @@ def all_ranks_update_metrics(update: dict) -> dict[str, float]:
     return update_metrics({**update, **distributed.global_sums(sums), **maxima})
 
 
-def save_checkpoint(config: TrainConfig, step: int, model, optimizer, generator: torch.Generator, model_dir) -> None:
-    """Every rank takes part (FSDP gathers the shards; each rank's sampling state is kept); rank 0 writes."""
-    savable = distributed.savable_model(model)
-    trainer_state = None  # weights only: evaluable, not resumable (checkpoint.optimizer_state: false)
-    if step == config.optim.num_steps or config.checkpoint.optimizer_state:
-        trainer_state = {"step": step, "optimizer": distributed.optimizer_state_dict(model, optimizer),
-                         "rng_per_rank": distributed.all_gather({"generator": generator.get_state(),
-                                                                 "rng": rng_state()})}
-    if distributed.is_main_process():
-        run_directory = Path(config.checkpoint.dir) / config.run_name
-        try:
-            path = checkpoint.save(run_directory / f"step_{step:06d}", savable, model_dir, config, trainer_state)
-        except checkpoint.CheckpointError as error:  # a full disk, a directory gone read-only
-            raise checkpoint.CheckpointError(f"{error}; once it can be written, continue the run with "
-                                             f"--resume {run_directory}") from None
-        logger.info("saved checkpoint %s", path)
-        checkpoint.prune(run_directory, config.checkpoint.keep_last)
-    distributed.barrier()  # no rank goes on (and may read it) before the checkpoint is complete
-
-
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO if distributed.is_main_process() else logging.WARNING,
-                        format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    log_to_console(logging.INFO if distributed.is_main_process() else logging.WARNING)
     try:
         args, config = read_command_line(argv)
         train(config, resume=args.resume, overwrite=args.overwrite)
     except config_lib.InputError as error:  # config, data, run directory or checkpoint: one line, exit code 2
         config_lib.exit_on_input_error(error)
+    except (RunStopped, KeyboardInterrupt) as stop:  # Ctrl-C or SIGTERM: one line, exit code 128 + signal
+        exit_on_interrupt(stop)
 
 
 if __name__ == "__main__":

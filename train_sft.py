@@ -1,6 +1,7 @@
 """Supervised fine-tuning on prompt/response pairs: the warm-up stage before GRPO.
 
-    uv run train_sft.py --config FILE [--set section.key=value ...]
+    uv run train_sft.py --config FILE [--set section.key=value ...] [--overwrite]
+    uv run train_sft.py --resume CHECKPOINT_OR_RUN_DIR [--set section.key=value ...]
     uv run torchrun --nproc_per_node N train_sft.py --config FILE   # data-parallel (see distributed.py)
 
 Pairs come from a JSONL file of {"prompt", "response"} lines, or from the task's own training split
@@ -8,10 +9,13 @@ with its reference solutions (CountDown generated with --with-solutions, GSM8K w
 The loss is the NLL of response tokens only (eos included, so the model learns to stop), averaged
 over every response token of the optimizer step. The result is a Hugging Face model directory.
 Evaluations score the held-out loss and success on held-out training questions (the test split stays
-unseen); optim.stop_at_success ends the warm-up once that success reaches a target.
+unseen); optim.stop_at_success ends the warm-up once that success reaches a target. Checkpoints to
+resume from go to <checkpoint.dir>/<run_name>/step_NNNNNN every checkpoint.interval steps and when
+the run is stopped by Ctrl-C or SIGTERM.
 """
 
 import argparse
+import functools
 import json
 import logging
 import math
@@ -19,6 +23,7 @@ import time
 from pathlib import Path
 
 import bootstrap
+import checkpoint
 import config as config_lib
 import inputs
 from config import BootstrapConfig, SFTConfig, SFTOptimConfig
@@ -30,28 +35,43 @@ from config import BootstrapConfig, SFTConfig, SFTOptimConfig
 def read_command_line(argv: list[str] | None = None) -> tuple[argparse.Namespace, SFTConfig]:
     """The arguments and the validated config, after checking every input that can be checked before torch loads."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", action="append", required=True, help="YAML config; repeat to merge several in order")
+    parser.add_argument("--config", action="append", help="YAML config; repeat to merge several in order "
+                        "(default with --resume: the checkpoint's config.yaml)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
+    parser.add_argument("--resume", help="a checkpoint directory, or a run's checkpoint directory (latest step); "
+                        "the run goes on writing into that run's directory")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start over in a run directory that holds an earlier run's checkpoints and logs (deletes them)")
     args = parser.parse_args(argv)
-    config = config_lib.load(SFTConfig, args.config, args.set)
-    check_inputs(config)
+    args.resume = args.resume and config_lib.expand_path(args.resume)  # like every path key: ~ and $VARIABLES
+    if not (args.config or args.resume):
+        parser.error("pass --config FILE (or --resume a run's checkpoint)")
+    if args.resume and args.overwrite:
+        raise config_lib.ConfigError("--overwrite starts a run over, --resume continues one: pass only one")
+    checkpoint_dir = checkpoint.find(args.resume) if args.resume else None
+    stored_config = args.resume and (checkpoint_dir or Path(args.resume)) / checkpoint.RUN_CONFIG
+    config = config_lib.load(SFTConfig, args.config or [stored_config], args.set)
+    checkpoint.continue_in_resumed_run(config, args.resume)
+    check_inputs(config, resuming=checkpoint_dir is not None)
     return args, config
 
 
-def check_inputs(config: SFTConfig) -> None:
-    """The model, the pairs' files or the task's data, and the directories written, before torch loads."""
+def check_inputs(config: SFTConfig, resuming: bool = False) -> None:
+    """The model (resuming: the checkpoint is the model), the pairs' files or the task's data, and the
+    directories written, before torch loads."""
     # The pairs come from the JSONL files or from the task's training split (then with its reference solutions);
     # the evaluations may answer the task's questions. Hub ids are fetched here.
     splits = (() if config.data.train_jsonl else ("train",)) + (
         ("test",) if answers_task_questions(config) and (config.data.train_jsonl or config.data.eval_jsonl) else ())
-    bootstrap.check_inputs(BootstrapConfig(), config.task if splits else None, config.model, splits=splits,
-                           with_solutions=not config.data.train_jsonl)
+    bootstrap.check_inputs(BootstrapConfig(), config.task if splits else None, None if resuming else config.model,
+                           splits=splits, with_solutions=not config.data.train_jsonl)
     for key in ("train_jsonl", "eval_jsonl"):
         if getattr(config.data, key):
             with inputs.named(f"data.{key}"):
                 read_pairs(getattr(config.data, key))
     inputs.check_writable("output_dir", config.output_dir)
-    inputs.check_writable("logging.log_dir", Path(config.logging.log_dir) / (config.run_name or ""))
+    for key, directory in (("checkpoint.dir", config.checkpoint.dir), ("logging.log_dir", config.logging.log_dir)):
+        inputs.check_writable(key, Path(directory) / (config.run_name or ""))  # no name yet: a new directory in it
 
 
 def answers_task_questions(config: SFTConfig) -> bool:
@@ -88,34 +108,43 @@ if __name__ == "__main__":
     config_lib.check_command_line(read_command_line)
 
 import torch
-from tqdm import tqdm
 
-import checkpoint
 import distributed
 import tasks
 from evaluate import run_evaluation
 from logprobs import answer_batch, answer_log_probs
 from optimizer import new_adamw
-from run_logging import RunLogger, show_progress
-from runtime import agreed_run_name, load_policy, set_up_process, step_indices
+from run_logging import RunLogger, log_to_console, progress_bar
+from runtime import (RunStopped, StopRequest, exit_on_interrupt, load_policy, name_run, restore_trainer_state,
+                     save_checkpoint, set_up_process, step_indices)
 from tokenizer import Tokenizer
 
 logger = logging.getLogger("train_sft")
-LOG_INTERVAL = 20  # steps between log lines when there is no progress bar
+TOKENIZE_BATCH = 1024  # pairs per encode_batch call; progress is reported between them
 
 # ----------------------------------------------------------------------------- data and loss
 
 
-def tokenize_pairs(pairs: list[dict], tokenizer, max_seq_len: int) -> list[tuple[list[int], int]]:
-    """(token ids, number of prompt tokens) per pair that fits max_seq_len; the response ends with eos."""
-    tokenized = []
-    for pair in pairs:
-        prompt_ids = tokenizer.encode(pair["prompt"])
-        tokenized.append((prompt_ids + tokenizer.encode(pair["response"]) + [tokenizer.eos_token_id], len(prompt_ids)))
-    shortest = min(len(ids) for ids, _ in tokenized)
-    config_lib.check(shortest <= max_seq_len, "data.max_seq_len", f"no SFT example fits (the shortest has {shortest} "
+def tokenize_pairs(pairs: list[dict], tokenizer, max_seq_len: int, progress: bool = False) -> list[tuple[list[int], int]]:
+    """(token ids, number of prompt tokens) per pair that fits max_seq_len; the response ends with eos. Prompt
+    and response are encoded apart (as the prompt alone is at generation), in batches: encode_batch runs on
+    every core."""
+    examples, shortest = [], None
+    bar = progress_bar(desc="tokenizing", total=len(pairs), unit="pair", enabled=progress)
+    for start in range(0, len(pairs), TOKENIZE_BATCH):
+        batch = pairs[start : start + TOKENIZE_BATCH]
+        prompts = tokenizer.encode_batch([pair["prompt"] for pair in batch])
+        responses = tokenizer.encode_batch([pair["response"] for pair in batch])
+        for prompt_ids, response_ids in zip(prompts, responses):
+            ids = prompt_ids + response_ids + [tokenizer.eos_token_id]
+            shortest = len(ids) if shortest is None else min(shortest, len(ids))
+            if len(ids) <= max_seq_len:
+                examples.append((ids, len(prompt_ids)))
+        bar.update(len(batch))
+    bar.close()
+    config_lib.check(bool(examples), "data.max_seq_len", f"no SFT example fits (the shortest has {shortest} "
                      f"tokens): raise it to at least {shortest}", max_seq_len)
-    return [(ids, prompt_length) for ids, prompt_length in tokenized if len(ids) <= max_seq_len]
+    return examples
 
 
 def load_examples(config: SFTConfig, tokenizer):
@@ -129,8 +158,9 @@ def load_examples(config: SFTConfig, tokenizer):
         config_lib.check(config.data.eval_size < len(train_pairs), "data.eval_size", f"must leave training pairs: "
                          f"below the {len(train_pairs)} pairs there are", config.data.eval_size)
         eval_pairs, train_pairs = train_pairs[-config.data.eval_size :], train_pairs[: -config.data.eval_size]
-    return (tokenize_pairs(train_pairs, tokenizer, config.data.max_seq_len),
-            tokenize_pairs(eval_pairs, tokenizer, config.data.max_seq_len))
+    progress = config.progress and distributed.is_main_process()
+    return (tokenize_pairs(train_pairs, tokenizer, config.data.max_seq_len, progress),
+            tokenize_pairs(eval_pairs, tokenizer, config.data.max_seq_len, progress))
 
 
 def response_nll(model, examples, pad_token_id: int, chunk_size: int) -> tuple[torch.Tensor, int]:
@@ -187,7 +217,7 @@ def evaluate_sft(model, tokenizer, eval_examples, eval_set, config: SFTConfig, r
     if config.eval.max_questions != 0:
         task_metrics = run_evaluation(model, tokenizer, eval_set, tasks.reward_function(config.task),
                                       config.eval.max_gen_len or config.data.max_seq_len, config.eval, config.seed,
-                                      run_logger, step, progress=show_progress(config.progress) and distributed.is_main_process())
+                                      run_logger, step, progress=config.progress and distributed.is_main_process())
         metrics.update({f"eval/{key}": value for key, value in task_metrics.items()})
     return metrics
 
@@ -196,86 +226,122 @@ def reached_target(metrics: dict, config: SFTOptimConfig) -> bool:
     return config.stop_at_success is not None and metrics.get("eval/success_rate", 0.0) >= config.stop_at_success
 
 
-def train_sft(config: SFTConfig) -> dict:
-    """Fine-tune config.model.dir into config.output_dir; returns the last evaluation's metrics and the steps run."""
+def train_sft(config: SFTConfig, resume: str | None = None, overwrite: bool = False) -> dict:
+    """Fine-tune config.model.dir into config.output_dir; returns the last evaluation's metrics and the steps run.
+
+    Every checkpoint.interval steps, and when stopped by Ctrl-C or SIGTERM, the run writes a checkpoint to
+    <checkpoint.dir>/<run_name>/step_NNNNNN; `resume` (one, or its run directory) continues from it exactly.
+    """
     device = set_up_process(config.device, config.cpu_threads, config.seed)
-    tokenizer = Tokenizer(config.model.dir)  # the data before the model: a data error comes before minutes of loading
-    train_examples, eval_examples = load_examples(config, tokenizer)
-    eval_set = task_eval_set(config, tokenizer) if answers_task_questions(config) else None
-    model, policy = load_policy(config.model, config.model.dir, device, config.distributed.fsdp)
-    config.run_name = config.run_name or agreed_run_name("sft-")
-    # One process per log directory, so two runs of one name never mix their curves. Taken once every input
-    # has loaded: a refused run creates nothing.
-    log_claim = checkpoint.RunClaim([Path(config.logging.log_dir) / config.run_name], "wait for it to end or pick "
-                                    "another name (--set run_name=NAME)") if distributed.is_main_process() else None
+    name_run(config, resume, prefix="sft-")
+    run_directory = Path(config.checkpoint.dir) / config.run_name
+    check_output_outside(config.output_dir, run_directory)
+    run_claim = checkpoint.claim_run(run_directory, Path(config.logging.log_dir) / config.run_name, bool(resume),
+                                     overwrite) if distributed.is_main_process() else None
+    with checkpoint.released_on_error(run_claim):  # refused while loading: no lock or empty directory is left
+        checkpoint_dir = checkpoint.find(resume) if resume else None
+        model_dir = checkpoint_dir or Path(config.model.dir)  # a checkpoint is a complete model directory
+        tokenizer = Tokenizer(model_dir)  # the data before the model: a data error comes before minutes of loading
+        train_examples, eval_examples = load_examples(config, tokenizer)
+        eval_set = task_eval_set(config, tokenizer) if answers_task_questions(config) else None
+        model, policy = load_policy(config.model, model_dir, device, config.distributed.fsdp)
     optim = config.optim
     optimizer = new_adamw(model.parameters(), optim)
     optimizer_step = distributed.OptimizerStep(policy, optimizer, optim.max_grad_norm)
+    state = restore_trainer_state(checkpoint_dir, model, optimizer) if checkpoint_dir else {"step": 0, "metrics": {}}
+    start_step, metrics = state["step"], state["metrics"]
     is_main = distributed.is_main_process()
-    run_logger = RunLogger(config.logging, config.run_name, config_lib.to_dict(config)) if is_main else None
+    run_logger = RunLogger(config.logging, config.run_name, config_lib.to_dict(config), start_step) if is_main else None
     logger.info("SFT %s on %s: %d train / %d held-out pairs, logs in %s", config.run_name, device,
                 len(train_examples), len(eval_examples), Path(config.logging.log_dir) / config.run_name)
 
-    metrics = {} if not config.eval.interval else evaluate_sft(model, tokenizer, eval_examples, eval_set, config,
-                                                               run_logger, 0)
-    steps_run = 0
-    show_bar = show_progress(config.progress) and is_main
-    bar = tqdm(range(optim.num_steps), desc="sft", disable=not show_bar)
-    for step in bar:
-        if reached_target(metrics, optim):
-            logger.info("held-out success %.3f >= optim.stop_at_success %g after %d steps: stopping",
-                        metrics["eval/success_rate"], optim.stop_at_success, step)
-            break
-        start = time.perf_counter()
-        policy.train()
-        indices = step_indices(step, optim.batch_size, len(train_examples), config.seed)
-        batch = [train_examples[indices[i]] for i in distributed.shard_range(optim.batch_size)]
-        batch.sort(key=lambda example: len(example[0]))  # similar lengths per micro-batch: less padding
-        # Divided by the step's token count over all ranks, so the summed gradients are the single-process ones.
-        num_tokens = distributed.global_sum(sum(len(ids) - prompt_length for ids, prompt_length in batch))
-        # Summed on the device and read once per step: a host read per micro-batch stalls the device.
-        total_nll = torch.zeros((), dtype=torch.float64, device=device)
-        starts = range(0, len(batch), optim.micro_batch_size)
-        for start_index in starts:
-            with optimizer_step.micro_batch(last=start_index == starts[-1]):
-                nll, _ = response_nll(policy, batch[start_index : start_index + optim.micro_batch_size],
-                                      tokenizer.pad_token_id, optim.logprob_chunk_size)
-                (nll / num_tokens).backward()
-            total_nll += nll.detach().double()
-        total_nll = distributed.global_sum(total_nll.item())
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, optim)
-        grad_norm = optimizer_step()
-        steps_run = step + 1
-        seconds = time.perf_counter() - start
+    evaluation = functools.partial(evaluate_sft, model, tokenizer, eval_examples, eval_set, config, run_logger)
+    if config.eval.interval and start_step == 0:
+        metrics = evaluation(0)
+    steps_run, stopping = start_step, False
+    with StopRequest() as stop:  # Ctrl-C or SIGTERM: the current step ends, is saved, and the run stops
+        bar = progress_bar(range(start_step, optim.num_steps), desc="sft", unit="step", enabled=config.progress and is_main)
+        for step in bar:
+            if reached_target(metrics, optim):
+                logger.info("held-out success %.3f >= optim.stop_at_success %g after %d steps: stopping",
+                            metrics["eval/success_rate"], optim.stop_at_success, step)
+                break
+            step_metrics = sft_step(policy, optimizer_step, optimizer, train_examples, step, config, tokenizer.pad_token_id)
+            steps_run = step + 1
+            if run_logger:
+                run_logger.scalars(step_metrics, steps_run)
+            bar.set_postfix(loss=f"{step_metrics['train/loss']:.3f}", grad=f"{step_metrics['train/grad_norm']:.3f}",
+                            lr=f"{step_metrics['train/learning_rate']:.2e}")
+            if config.eval.interval and (steps_run % config.eval.interval == 0 or steps_run == optim.num_steps):
+                metrics = evaluation(steps_run)
+            stopping = stop.requested() and steps_run < optim.num_steps and not reached_target(metrics, optim)
+            if stopping or (config.checkpoint.interval and steps_run % config.checkpoint.interval == 0
+                            and steps_run < optim.num_steps):  # the last step goes to output_dir
+                save_checkpoint(config, steps_run, model, optimizer, model_dir, resumable=stopping,
+                                extra_state={"metrics": metrics})
+            if stopping:
+                break
+        bar.close()
+    if not stopping:
+        savable = distributed.savable_model(model)  # every rank takes part: FSDP gathers the shards
         if is_main:
-            run_logger.scalars({"train/loss": total_nll / num_tokens, "train/grad_norm": grad_norm,
-                                "train/learning_rate": optimizer.param_groups[0]["lr"],
-                                "train/tokens_per_second": num_tokens / seconds}, step + 1)
-        bar.set_postfix(loss=f"{total_nll / num_tokens:.3f}")
-        if not show_bar and ((step + 1) % LOG_INTERVAL == 0 or step + 1 == optim.num_steps):
-            logger.info("sft step %d/%d | loss %.4f | grad %.3f | lr %.2e | %.0f tok/s", step + 1, optim.num_steps,
-                        total_nll / num_tokens, grad_norm, optimizer.param_groups[0]["lr"], num_tokens / seconds)
-        if config.eval.interval and ((step + 1) % config.eval.interval == 0 or step + 1 == optim.num_steps):
-            metrics = evaluate_sft(model, tokenizer, eval_examples, eval_set, config, run_logger, step + 1)
-    savable = distributed.savable_model(model)  # every rank takes part: FSDP gathers the shards
-    if is_main:
-        path = checkpoint.save(config.output_dir, savable, config.model.dir, config)
-        logger.info("saved the fine-tuned model to %s", path)
+            logger.info("saved the fine-tuned model to %s", checkpoint.save(config.output_dir, savable, model_dir, config))
+    if run_logger:
         run_logger.close()
-        log_claim.release()
+        run_claim.release()
     distributed.barrier()  # no rank goes on (and may read it) before the model is complete
+    if stopping:
+        raise RunStopped("train_sft.py", stop.signal, steps_run, run_directory)
     return {**metrics, "steps": steps_run}
 
 
+def sft_step(policy, optimizer_step, optimizer, train_examples, step: int, config: SFTConfig,
+             pad_token_id: int) -> dict[str, float]:
+    """One optimizer step (0-based `step`) on its batch of training pairs; returns its train/* metrics."""
+    start = time.perf_counter()
+    optim = config.optim
+    policy.train()
+    indices = step_indices(step, optim.batch_size, len(train_examples), config.seed)
+    batch = [train_examples[indices[i]] for i in distributed.shard_range(optim.batch_size)]
+    batch.sort(key=lambda example: len(example[0]))  # similar lengths per micro-batch: less padding
+    # Divided by the step's token count over all ranks, so the summed gradients are the single-process ones.
+    num_tokens = distributed.global_sum(sum(len(ids) - prompt_length for ids, prompt_length in batch))
+    # Summed on the device and read once per step: a host read per micro-batch stalls the device.
+    total_nll = torch.zeros((), dtype=torch.float64, device=next(policy.parameters()).device)
+    starts = range(0, len(batch), optim.micro_batch_size)
+    for start_index in starts:
+        with optimizer_step.micro_batch(last=start_index == starts[-1]):
+            nll, _ = response_nll(policy, batch[start_index : start_index + optim.micro_batch_size], pad_token_id,
+                                  optim.logprob_chunk_size)
+            (nll / num_tokens).backward()
+        total_nll += nll.detach().double()
+    total_nll = distributed.global_sum(total_nll.item())
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(step, optim)
+    grad_norm = optimizer_step()
+    return {"train/loss": total_nll / num_tokens, "train/grad_norm": grad_norm,
+            "train/learning_rate": optimizer.param_groups[0]["lr"],
+            "train/tokens_per_second": num_tokens / (time.perf_counter() - start)}
+
+
+def check_output_outside(output_dir: str, run_directory: Path) -> None:
+    """The fine-tuned model replaces output_dir as a whole: the run's checkpoints must not be inside it."""
+    output, run = Path(output_dir).resolve(), run_directory.resolve()
+    if output == run or output in run.parents:
+        raise config_lib.ConfigError(f"output_dir: must not hold the run's checkpoint directory {run_directory} "
+                                     f"(checkpoint.dir/run_name); change output_dir, checkpoint.dir or run_name, "
+                                     f"got {output_dir!r}")
+
+
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO if distributed.is_main_process() else logging.WARNING,
-                        format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    log_to_console(logging.INFO if distributed.is_main_process() else logging.WARNING)
     try:
-        _, config = read_command_line(argv)
-        train_sft(config)
+        args, config = read_command_line(argv)
+        train_sft(config, resume=args.resume, overwrite=args.overwrite)
     except config_lib.InputError as error:  # config or data: one line, exit code 2
         config_lib.exit_on_input_error(error)
+    except (RunStopped, KeyboardInterrupt) as stop:  # Ctrl-C or SIGTERM: one line, exit code 128 + signal
+        exit_on_interrupt(stop)
 
 
 if __name__ == "__main__":

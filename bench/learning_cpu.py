@@ -23,7 +23,6 @@ import argparse
 import hashlib
 import itertools
 import json
-import logging
 import math
 import multiprocessing
 import os
@@ -45,6 +44,7 @@ import tiny_model  # noqa: E402
 import train  # noqa: E402
 from evaluate import EvalConfig, evaluate  # noqa: E402
 from bench.plot_curves import plot_success_curves, success_curve  # noqa: E402
+from run_logging import log_to_console  # noqa: E402
 from runtime import load_model, resolve_device, set_cpu_threads  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 from train_sft import SFTConfig, train_sft  # noqa: E402
@@ -84,7 +84,7 @@ def sft_config_for(config: train.TrainConfig, seed: int, stage_dir: Path) -> SFT
     """The warm-up bootstrap.py would run for this config, with the seed and paths of this bench."""
     overrides = [*config.bootstrap.sft_overrides, f"output_dir={stage_dir / 'sft-model'}",
                  f"model.dir={stage_dir / 'base-model'}", f"logging.log_dir={stage_dir / 'logs'}", f"seed={seed}",
-                 "progress=false"]
+                 f"checkpoint.dir={stage_dir / 'checkpoints'}", "progress=false"]
     sft_config = config_lib.load(SFTConfig, config.bootstrap.sft_config, overrides)
     sft_config.task = config.task  # as bootstrap.py: the warm-up learns the task GRPO trains on
     return sft_config
@@ -97,6 +97,7 @@ def cache_key(config: train.TrainConfig, seed: int) -> str:
                 "base_model_args": config.bootstrap.base_model_args, "sft": sft_values}
     settings["task"].pop("data_dir")
     settings["sft"].pop("cpu_threads")  # the threads change the time, not the model
+    settings["sft"].pop("checkpoint")  # where a stopped warm-up would save, not the model
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -185,7 +186,7 @@ def run_seed(args: argparse.Namespace, seed: int, cache_dir: Path, out: Path) ->
 
 
 def configure_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    log_to_console()
 
 
 def run_seeds(args: argparse.Namespace, seeds: range, cache_dir: Path, out: Path) -> list[dict]:

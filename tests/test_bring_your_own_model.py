@@ -84,7 +84,7 @@ def test_countdown_sft_then_grpo(tmp_path, model_dir, countdown_dir, monkeypatch
         "device=cpu", f"task.data_dir={countdown_dir}", "task.test_size=8", "data.eval_size=16", "optim.num_steps=10",
         "optim.batch_size=8", "optim.micro_batch_size=4", "optim.learning_rate=3e-3", "optim.warmup_steps=0",
         "eval.interval=10", "eval.max_questions=4", "eval.batch_size=4", "eval.max_gen_len=16",
-        f"logging.log_dir={logs}"]), [])])
+        f"logging.log_dir={logs}", f"checkpoint.dir={tmp_path / 'checkpoints'}"]), [])])
     held_out = scalars(logs / "sft")["eval/loss"]
     assert held_out[10] < held_out[0] - 0.5
     assert_loads_in_transformers_with_our_logits(sft_dir)
@@ -134,7 +134,7 @@ def test_gsm8k_sft_on_each_architecture(tmp_path, model_dir, gsm8k_head):
         "progress=false", f"task.data_dir={gsm8k_data_dir}", f"output_dir={tmp_path / 'sft-model'}",
         "data.max_seq_len=2048", "data.eval_size=8", "optim.num_steps=2", "optim.batch_size=4",
         "optim.micro_batch_size=4", "optim.warmup_steps=0", "eval.interval=2", "eval.max_questions=0",
-        f"logging.log_dir={logs}", "run_name=sft"]), [])])
+        f"logging.log_dir={logs}", f"checkpoint.dir={tmp_path / 'checkpoints'}", "run_name=sft"]), [])])
     assert sorted(scalars(logs / "sft")["eval/loss"]) == [0, 2]
     assert_loads_in_transformers_with_our_logits(tmp_path / "sft-model")
     # GSM8K prompts are plain text (prompts/reasoning.txt), so any tokenizer takes them; the response ends with eos.

@@ -36,6 +36,7 @@ def test_shortened_demo_learns_and_its_checkpoint_evaluates_greedily(tmp_path):
         "task.test_size=128",
         "bootstrap.dataset_args=--size 12000 --seed 0 --min-numbers 2 --max-numbers 2 --max-number 20 --with-solutions",
         f"bootstrap.sft_overrides=[model.dir={tmp_path / 'base-model'}, logging.log_dir={tmp_path / 'logs'},"
+        f" checkpoint.dir={tmp_path / 'checkpoints'},"
         " optim.num_steps=300, optim.stop_at_success=null, eval.interval=0, progress=false, cpu_threads=1]",
     ]
     run_script("train.py", "--config", "config_cpu.yaml", *set_flags(overrides))

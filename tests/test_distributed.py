@@ -157,6 +157,7 @@ data: {{eval_size: 15}}
 optim: {{num_steps: 2, batch_size: 8, micro_batch_size: 2, learning_rate: 1.0e-3}}
 eval: {{interval: 2, max_questions: 3, max_gen_len: 6}}
 logging: {{log_dir: {out_dir / 'sft' / 'logs'}}}
+checkpoint: {{dir: {out_dir / 'sft' / 'checkpoints'}}}
 """)
     return path
 
@@ -250,7 +251,8 @@ def test_two_rank_sft_equals_single_process(ranks_output, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     config = config_lib.load(train_sft.SFTConfig, ranks_output / "sft.yaml",
-                             [f"output_dir={tmp_path / 'model'}", f"logging.log_dir={tmp_path / 'logs'}"])
+                             [f"output_dir={tmp_path / 'model'}", f"logging.log_dir={tmp_path / 'logs'}",
+                              f"checkpoint.dir={tmp_path / 'checkpoints'}"])
     metrics = train_sft.train_sft(config)
     expected = Transformer.from_pretrained(tmp_path / "model", dtype=torch.float32)
     two_ranks = Transformer.from_pretrained(ranks_output / "sft" / "model", dtype=torch.float32)

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,6 +19,7 @@ import checkpoint
 import config as config_lib
 import countdown_task
 import evaluate
+import runtime
 import tasks
 import train
 from test_train import countdown_dir, tiny_config  # noqa: F401 (fixture)
@@ -307,7 +309,8 @@ def test_sft_runs_of_one_name_never_share_a_log_directory(tmp_path, tiny_model_d
         with pytest.raises(SystemExit) as exit_info:
             train_sft.main(["--config", "config_cpu_sft.yaml", f"--set=model.dir={tiny_model_dir}", "--set=run_name=sft-x",
                             f"--set=task.data_dir={countdown_dir}", f"--set=logging.log_dir={tmp_path / 'logs'}",
-                            f"--set=output_dir={tmp_path / 'out'}", f"--set=data.train_jsonl={tmp_path / 'pairs.jsonl'}",
+                            f"--set=output_dir={tmp_path / 'out'}", f"--set=checkpoint.dir={tmp_path / 'checkpoints'}",
+                            f"--set=data.train_jsonl={tmp_path / 'pairs.jsonl'}",
                             f"--set=data.eval_jsonl={tmp_path / 'pairs.jsonl'}", "--set=optim.stop_at_success=null",
                             "--set=eval.interval=0"])
     finally:
@@ -315,3 +318,28 @@ def test_sft_runs_of_one_name_never_share_a_log_directory(tmp_path, tiny_model_d
         holder.wait()
     assert exit_info.value.code == 2
     assert f"{log_dir.resolve()} is in use by process {holder.pid}" in capsys.readouterr().err
+
+
+def test_a_first_signal_waits_for_the_step_a_second_stops_at_once(capsys):
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers can only be set in the main thread")
+    # Python's own Ctrl-C handler, as in a terminal (a shell starts background jobs with SIGINT ignored).
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with runtime.StopRequest() as stop:
+            assert not stop.requested()
+            os.kill(os.getpid(), signal.SIGINT)  # noted: the loop finishes its step, saves it, then stops
+            assert stop.requested() and stop.signal == signal.SIGINT
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)  # the user insists: Python's own handler, at once
+        assert signal.getsignal(signal.SIGTERM) != stop.handle  # the handlers are put back
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with runtime.StopRequest():
+            assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN  # ignored (a background job): stays so
+    finally:
+        signal.signal(signal.SIGINT, outer)
+    with pytest.raises(SystemExit) as exit_info:
+        runtime.exit_on_interrupt(KeyboardInterrupt())
+    assert exit_info.value.code == 130
+    assert capsys.readouterr().err == ("interrupted: stopped at once, without saving; --resume continues from the last "
+                                       "checkpoint, if any\n")

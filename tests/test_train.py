@@ -1,6 +1,9 @@
 """train.py end to end on the tiny fixture: logs, checkpoints, resume, and config errors."""
 
 import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +15,8 @@ import countdown_task
 import tasks
 import train
 from qwen2_model import Transformer
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 EXPECTED_SCALARS = [
     "train/loss", "reward/mean", "reward/std", "reward/format", "train/success_rate", "eval/success_rate",
@@ -178,3 +183,70 @@ def test_cuda_without_a_gpu_is_a_clear_error(tmp_path, tiny_model_dir, countdown
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a machine without a GPU
     with pytest.raises(config_lib.ConfigError, match="device: cuda was requested but no CUDA GPU is visible"):
         train.train(tiny_config(tmp_path, tiny_model_dir, countdown_dir, "device=cuda"))
+
+
+def test_console_shows_the_formatted_fraction_as_evaluate_does(tmp_path, tiny_model_dir, countdown_dir, monkeypatch,
+                                                               caplog):
+    """Every answer formatted, none right: the console's format is 1.000 (a fraction, as eval/format_rate), while
+    reward/format stays the mean format reward, 0.1."""
+    monkeypatch.setattr(tasks, "reward_function", lambda task_config: lambda response, item, end_token: {
+        "reward": 0.1, "reward_info": {"format_reward": 0.1, "answer_reward": 0.0}})
+    with caplog.at_level(logging.INFO):
+        train.train(tiny_config(tmp_path, tiny_model_dir, countdown_dir, "optim.num_steps=1", "eval.interval=1"))
+    [step_line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step 1 ")]
+    assert "| success 0.000 | format 1.000 |" in step_line
+    [eval_line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("eval step 1:")]
+    assert "format 1.000" in eval_line
+    scalars = read_scalars(tmp_path / "logs" / "tiny")
+    assert scalars["train/format_rate"] == [(1, 1.0)] and scalars["eval/format_rate"][-1] == (1, 1.0)
+    assert scalars["reward/format"] == [(1, pytest.approx(0.1))]
+
+
+STOPPED_RUN = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+import tasks, train
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if this test runs in the background
+calls = 0
+
+def parity_reward(response, item, end_token):  # as parity_reward below; SIGINT during step 2's scoring
+    global calls
+    calls += 1
+    if calls == 8:
+        os.kill(os.getpid(), signal.SIGINT)
+    return {{"reward": float(len(response) % 2), "reward_info": {{"format_reward": 0.0, "answer_reward": 0.0}}}}
+
+tasks.reward_function = lambda task_config: parity_reward
+train.main(sys.argv[1:])
+"""
+
+
+def parity_reward(response, item, end_token):
+    """Rewards that differ within almost every group, so every step of the tiny model updates it."""
+    return {"reward": float(len(response) % 2), "reward_info": {"format_reward": 0.0, "answer_reward": 0.0}}
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_the_step_saves_it_and_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_dir,
+                                                                               countdown_dir, monkeypatch):
+    monkeypatch.setattr(tasks, "reward_function", lambda task_config: parity_reward)
+    overrides = ["optim.num_steps=4", "eval.interval=0", "checkpoint.interval=0", "cpu_threads=1"]
+    config_path = tmp_path / "cut.yaml"
+    config_lib.dump(tiny_config(tmp_path / "cut", tiny_model_dir, countdown_dir, *overrides), config_path)
+    stopped = subprocess.run([sys.executable, "-c", STOPPED_RUN.format(root=str(REPO_ROOT)), "--config",
+                              str(config_path)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    run = tmp_path / "cut" / "checkpoints" / "tiny"
+    assert stopped.returncode == 130, stopped.stderr
+    assert "Traceback" not in stopped.stderr
+    assert stopped.stderr.strip().splitlines()[-1] == (f"stopped by SIGINT after step 2, saved in {run}/step_000002; "
+                                                       f"continue with: uv run train.py --resume {run}")
+    assert "step 2 | reward" in stopped.stderr and "step 3 |" not in stopped.stderr  # step 2 ended, no step 3
+    assert sorted(path.name for path in run.iterdir()) == ["config.yaml", "step_000002"]
+    train.train(tiny_config(tmp_path / "cut", tiny_model_dir, countdown_dir, *overrides), resume=str(run))
+    train.train(tiny_config(tmp_path / "whole", tiny_model_dir, countdown_dir, *overrides))
+    whole = Transformer.from_pretrained(tmp_path / "whole" / "checkpoints" / "tiny" / "step_000004", dtype=torch.float32)
+    resumed = Transformer.from_pretrained(run / "step_000004", dtype=torch.float32)
+    for (name, a), b in zip(whole.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+    assert read_scalars(tmp_path / "whole" / "logs" / "tiny")["train/update_skipped"] == [(step, 0.0) for step in
+                                                                                         (1, 2, 3, 4)]

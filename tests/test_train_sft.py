@@ -1,17 +1,27 @@
 """train_sft.py: the masked NLL against a hand computation, and short runs on the tiny fixture."""
 
 import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import checkpoint
 import config as config_lib
 import countdown_task
+import tasks
 import train_sft
 from qwen2_model import Transformer
 from tokenizer import Tokenizer
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +41,7 @@ def sft_config(tmp_path, model_dir, data_dir, *overrides) -> train_sft.SFTConfig
         "optim": {"num_steps": 12, "batch_size": 8, "micro_batch_size": 4, "learning_rate": 3e-3},
         "eval": {"interval": 12, "max_questions": 4, "max_gen_len": 24},
         "logging": {"log_dir": str(tmp_path / "logs")},
+        "checkpoint": {"dir": str(tmp_path / "checkpoints")},
     }
     for assignment in overrides:
         config_lib.apply_override(values, assignment)
@@ -130,3 +141,87 @@ def test_stop_at_success_ends_at_the_first_evaluation_that_reaches_it(stop_at_su
     events = EventAccumulator(str(tmp_path / "logs" / "sft")).Reload()
     assert [event.step for event in events.Scalars("train/loss")] == list(range(1, expected_steps + 1))
     assert (tmp_path / "sft-out" / "model.safetensors").is_file()  # saved where it stopped
+
+
+def test_pairs_are_tokenized_in_batches_to_the_same_tokens_as_one_at_a_time(tiny_model_dir, countdown_with_solutions):
+    tokenizer = Tokenizer(tiny_model_dir)
+    task = config_lib.build(config_lib.TaskConfig, {"data_dir": str(countdown_with_solutions), "test_size": 8})
+    pairs = tasks.sft_pairs(task, tokenizer)
+    dataset = tasks.load_dataset(task, tokenizer, "train")
+    assert [pair["prompt"] for pair in pairs] == [dataset[i]["prompt"] for i in range(len(dataset))]
+    pairs.append({"prompt": "Ünïcode 12+34 =", "response": " 46\n\n  spaces\t<think>"})
+    examples = train_sft.tokenize_pairs(pairs, tokenizer, max_seq_len=10_000)
+    # The reference: transformers' own tokenizer of the model directory, one text at a time.
+    reference = AutoTokenizer.from_pretrained(tiny_model_dir)
+    expected = [(reference.encode(pair["prompt"], add_special_tokens=False), reference.encode(
+        pair["response"], add_special_tokens=False) + [reference.eos_token_id]) for pair in pairs]
+    assert examples == [(prompt + response, len(prompt)) for prompt, response in expected]
+
+
+def test_checkpoint_then_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir, countdown_with_solutions):
+    """Steps 1-3, a checkpoint, then --resume for steps 4-6: bitwise the weights of 6 steps in one go (CPU, float32)."""
+    overrides = ["optim.num_steps=6", "eval.interval=2", "checkpoint.interval=3", "optim.warmup_steps=2"]
+    whole = train_sft.train_sft(sft_config(tmp_path, tiny_model_dir, countdown_with_solutions, *overrides))
+    run = tmp_path / "checkpoints" / "sft"
+    assert sorted(path.name for path in run.iterdir()) == ["step_000003"]  # the last step went to output_dir
+    resumed = train_sft.train_sft(sft_config(tmp_path, tiny_model_dir, countdown_with_solutions, *overrides,
+                                             f"output_dir={tmp_path / 'resumed'}"), resume=str(run / "step_000003"))
+    assert resumed == whole
+    one_go = Transformer.from_pretrained(tmp_path / "sft-out", dtype=torch.float32)
+    in_two = Transformer.from_pretrained(tmp_path / "resumed", dtype=torch.float32)
+    for (name, a), b in zip(one_go.named_parameters(), in_two.parameters()):
+        assert torch.equal(a, b), name
+    started_from = Transformer.from_pretrained(run / "step_000003", dtype=torch.float32)
+    assert not torch.equal(started_from.embed_tokens.weight, in_two.embed_tokens.weight)
+
+
+def test_output_dir_may_not_hold_the_run_directory(tmp_path, tiny_model_dir, countdown_with_solutions):
+    config = sft_config(tmp_path, tiny_model_dir, countdown_with_solutions, f"output_dir={tmp_path / 'checkpoints'}")
+    with pytest.raises(config_lib.ConfigError, match="output_dir: must not hold the run's checkpoint directory"):
+        train_sft.train_sft(config)
+    assert sorted(path.name for path in tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_sigterm_ends_the_step_saves_and_resumes(tmp_path, tiny_model_dir, countdown_with_solutions):
+    """A real SIGTERM to a running train_sft.py: one line, exit 143, a resumable checkpoint; --resume finishes it."""
+    config_path = tmp_path / "sft.yaml"
+    config_lib.dump(sft_config(tmp_path, tiny_model_dir, countdown_with_solutions, "optim.num_steps=100000",
+                               "eval.interval=0", "checkpoint.interval=1", "checkpoint.optimizer_state=false",
+                               "checkpoint.keep_last=1", "cpu_threads=1"), config_path)
+    run = tmp_path / "checkpoints" / "sft"
+    with open(tmp_path / "stderr.txt", "w") as log:
+        process = subprocess.Popen([sys.executable, str(REPO_ROOT / "train_sft.py"), "--config", str(config_path)],
+                                   cwd=REPO_ROOT, stderr=log)
+        try:
+            deadline = time.monotonic() + 240
+            while not list(run.glob("step_*")) and process.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)  # a step's checkpoint: the training loop, where a signal is caught, has begun
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=120)
+        finally:
+            process.kill()
+    stderr = (tmp_path / "stderr.txt").read_text()
+    assert process.returncode == 143, stderr
+    assert "Traceback" not in stderr
+    last_line = stderr.strip().splitlines()[-1]
+    match = re.fullmatch(rf"stopped by SIGTERM after step (\d+), saved in {run}/step_(\d+); "
+                         rf"continue with: uv run train_sft.py --resume {run}", last_line)
+    assert match and int(match[1]) == int(match[2]) >= 1, last_line
+    step = int(match[1])
+    # The stop's checkpoint is resumable even with optimizer_state: false; the periodic ones were weights only.
+    assert (run / f"step_{step:06d}" / checkpoint.TRAINER_STATE).is_file()
+    train_sft.main(["--resume", str(run), "--set", f"optim.num_steps={step + 2}"])  # its config.yaml, 2 more steps
+    events = EventAccumulator(str(tmp_path / "logs" / "sft")).Reload()
+    assert [event.step for event in events.Scalars("train/loss")][-2:] == [step + 1, step + 2]
+    assert (tmp_path / "sft-out" / "model.safetensors").is_file()
+
+
+def test_a_section_given_in_part_keeps_the_sft_defaults_and_checkpoint_keys_are_checked():
+    config = config_lib.build(train_sft.SFTConfig, {"eval": {"interval": 5}, "checkpoint": {"keep_last": 1}})
+    assert (config.eval.interval, config.eval.max_questions, config.eval.max_gen_len) == (5, 200, 256)
+    assert (config.checkpoint.interval, config.checkpoint.keep_last) == (100, 1)
+    for override, message in [("checkpoint.interval=-1", "checkpoint.interval: must be >= 0, got -1"),
+                              ("checkpoint.keep_last=0", "checkpoint.keep_last: must be >= 1, got 0")]:
+        with pytest.raises(config_lib.ConfigError, match=message):
+            config_lib.load(train_sft.SFTConfig, None, [override])
