@@ -174,3 +174,14 @@ def test_variants_table_gives_mean_min_max_over_seeds(tmp_path):
         variants_table.read_runs(tmp_path)).splitlines() if line.startswith("| ") and "variant" not in line}
     assert rows["dapo"] == "| dapo | 0,1 | 45.0 [40.0, 50.0] | +6.0 [+2.0, +10.0] | 50.0 [45.0, 55.0] | +3.0 [+1.0, +5.0] | 150.0 [100.0, 200.0] |"
     assert rows["baseline"].startswith("| baseline | 0 | 45.0 [45.0, 45.0] |")
+
+
+def test_grader_bench_reads_the_full_data_beside_the_repository_else_the_committed_sample(tmp_path, monkeypatch):
+    from bench import gsm8k_grader
+
+    monkeypatch.setattr(gsm8k_grader, "SHARED_DIR", tmp_path / "nowhere")
+    assert gsm8k_grader.default_data_dir() == REPO_ROOT / "tests" / "fixtures" / "gsm8k"
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "gsm8k" / "train.jsonl").write_text("")
+    monkeypatch.setattr(gsm8k_grader, "SHARED_DIR", tmp_path / "gsm8k")
+    assert gsm8k_grader.default_data_dir() == tmp_path / "gsm8k"
