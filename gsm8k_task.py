@@ -171,6 +171,9 @@ TEXT_COMMAND = re.compile(r"\\(?:text|textrm|textbf|textit|mathrm|mathbf|mbox)\s
 MARKDOWN_BOLD = re.compile(r"(?<![\w)])\*\*(?=[^\s*])(.{1,200}?)(?<=[^\s*])\*\*(?![\w(])")
 LATEX_REPLACEMENTS = (
     ("\\\\", " ; "), ("\n", " ; "),  # a line break ends a sentence
+    # an arrow concludes, as "so" does (before \right goes, which would leave "arrow")
+    ("\\Rightarrow", " so "), ("\\rightarrow", " so "), ("\\implies", " so "), ("\u2192", " so "),
+    ("\u21d2", " so "), ("=>", " so "), ("->", " so "),
     ("\\(", ""), ("\\)", ""), ("\\[", ""), ("\\]", ""), ("\\left", ""), ("\\right", ""),
     ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
     ("\\times", "*"), ("\\cdot", "*"), ("\\div", "/"), ("\u00d7", "*"), ("\u00f7", "/"), ("\u2212", "-"),
@@ -205,7 +208,7 @@ PROSE_PUNCTUATION = frozenset(",:'\"\u2019")
 # a non-ASCII digit): it makes the clause holding it unreadable and is ignored in working that is dropped.
 # Comparisons are one token, so the "=" in "x >= 18" is no equation.
 ANSWER_TOKEN = re.compile(  # findall skips whitespace: no alternative starts with it
-    rf"{NUMBER}|\*\*|{UNIT_POWER}|\\frac|\\sqrt|[<>!=]=|=>|[-+*/^(){{}}\[\]%=]|[A-Za-z]+|"
+    rf"{NUMBER}|\*\*|{UNIT_POWER}|\\frac|\\sqrt|[<>!=]=|[-+*/^(){{}}\[\]%=]|[A-Za-z]+|"
     rf"[{re.escape(''.join(PROSE_PUNCTUATION | SENTENCE_ENDS) + LABEL_MARK)}]|\S",
     re.ASCII,
 )
@@ -292,6 +295,8 @@ def parse_answer(text: str) -> Rational | None:
        "gives", "leaves", "a total of", ... when a value follows them, start a new clause; the
        sentence's statement is its last clause with a number, and what comes before the last cue
        is working: "25% of 160 is 40", "42 - 2 = 40" and "not 42, the answer is 40" all state 40.
+       Several numbers after "is" or "=" are the working of a lone number before it: "40 is 25% of
+       160" states 40.
        A side of "=" with no number is a name and is dropped: "40 = y". Justifications are dropped:
        after a value, "because", "since", "given", "as", "using" up to the next conclusion (so,
        therefore, answer, ...), and after a single value "which", "with", "where" up to a result
@@ -469,8 +474,8 @@ def _sentences(tokens: list[str]) -> list[list[str]]:
 def _read_sentence(tokens: list[str]) -> _Sentence:
     """Cut a sentence into clauses at its cues, without its justifications; its statement is its last
     clause with a number."""
-    clauses, value_runs, run_counted = [[]], 0, False
-    labelled, explaining = False, None  # explaining: None, or the kind of justification being skipped
+    clauses, runs, openers = [[]], [0], [None]  # each clause's tokens, its values, the cue that opened it
+    run_counted, labelled, explaining = False, False, None  # explaining: the kind of justification skipped
     position = _after_leading_justification(tokens)
     while position < len(tokens):
         token = tokens[position]
@@ -478,7 +483,7 @@ def _read_sentence(tokens: list[str]) -> _Sentence:
         kind = CUE_KINDS.get(token.lower())
         if explaining and kind not in JUSTIFICATION_ENDS[explaining]:
             continue  # "40 because 5 crates hold 8", "40, which is 8 per crate"
-        if kind == "justification" and value_runs >= 1 or kind == "relative" and value_runs == 1:
+        if kind == "justification" and runs[-1] >= 1 or kind == "relative" and runs[-1] == 1:
             explaining = kind
             continue
         if kind == "equals":
@@ -491,17 +496,25 @@ def _read_sentence(tokens: list[str]) -> _Sentence:
         elif kind in ("identity", "result") and not _value_follows(tokens, position):
             kind = None  # "40 is the answer", "it makes sense"
         if kind in CLAUSE_CUES:
-            clauses.append([])
-            value_runs, run_counted, explaining = 0, False, None
+            clauses.append([]), runs.append(0), openers.append(kind)
+            run_counted, explaining = False, None
             labelled = labelled or kind == "label"
         elif not explaining:
             clauses[-1].append(token)
             if _is_number(token):
-                value_runs, run_counted = value_runs + (not run_counted), True  # "5 * 8" is one value
+                runs[-1], run_counted = runs[-1] + (not run_counted), True  # "5 * 8" is one value
             elif token not in EXPRESSION_TOKENS:
                 run_counted = False  # "5 crates of 8" is two
-    statement = next((clause for clause in reversed(clauses) if any(map(_is_number, clause))), [])
-    return _Sentence(statement, labelled)
+    stating = [index for index, values in enumerate(runs) if values]
+    if not stating:
+        return _Sentence([], labelled)
+    statement = stating[-1]
+    working = runs[statement] > 1 and openers[statement] in ("identity", "equals") and not any(
+        token.lower() in HEDGE_WORDS or token.lower() in DENIAL_WORDS for token in clauses[statement]
+    )
+    if working and len(stating) > 1 and sum(map(_is_number, clauses[stating[-2]])) == 1:
+        statement = stating[-2]  # "40 is 25% of 160": what follows "is" is the working of the number before it
+    return _Sentence(clauses[statement], labelled)
 
 
 def _value_follows(tokens: list[str], position: int) -> bool:

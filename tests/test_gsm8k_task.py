@@ -372,6 +372,8 @@ FAMILIES = {
         ("With 8 melons in each of 5 crates, she has 40.", "40"), ("8 in each of 5 crates, which makes 40", "40"),
         ("40 melons, which is 8 per crate", "40"), ("She fills 5 crates with 8 melons each for a total of 40.", "40"),
         ("5 * 8 = 40 melons", "40"), ("Each crate holds 8 melons. Therefore she has 40.", "40"),
+        ("40 is 25% of 160", "40"), ("40 = 5 crates * 8 melons", "40"), ("42 is 2 more than 40", "42"),
+        ("5 \u00d7 8 \u2192 40", "40"), ("5 * 8 => 40", "40"), ("$5 \\times 8 \\Rightarrow 40$", "40"),
         ("The answer is 40, because 5 * 8 = 40.", "40"), ("x = 40 because y = 3", "40"),
     ],
     "number and its name": [
@@ -413,7 +415,8 @@ NEIGHBOURS = [  # (answer, gold, the value it states by the documented rule; Non
     ("40 melons, because 5 crates hold 8 each", "5", 40), ("40 melons, which is 8 per crate", "8", 40),
     ("8 in each crate, which makes 40", "8", 40), ("She has 40 melons in 5 crates", "5", None),
     ("40 melons, 8 per crate", "8", None), ("The answer is 40 melons in 5 crates.", "5", None),
-    ("40 is 25% of 160", "40", None),  # what follows the last "is" is read, and holds two numbers
+    ("42 - 2 = 40 or 38", "40", None), ("40 is 25% of 160, not 42", "40", None),
+    ("42 - 2 is 39 melons in 5 crates", "40", None), ("40 => 42", "40", 42),
     ("40 or 42", "42", None), ("42 or 40", "40", None), ("42 is wrong", "42", None),
     ("The answer is 40. 42 was my first guess.", "42", None), ("The answer is 40. So each crate has 8.", "8", None),
     ("\\boxed{40} is what I first thought; \\boxed{41}", "40", 41), (WORKED + "The answer is \\boxed{41}.", "40", 41),
