@@ -212,6 +212,7 @@ ANSWER_TOKEN = re.compile(  # findall skips whitespace: no alternative starts wi
     rf"[{re.escape(''.join(PROSE_PUNCTUATION | SENTENCE_ENDS) + LABEL_MARK)}]|\S",
     re.ASCII,
 )
+UNREADABLE_REMARK = "(?)"  # stands for "(or 42)" or "(fifty)": no rule reads it, so its clause has no value
 INTEGER_LITERAL = re.compile(r"\d[\d, ]*")  # starts with a digit: "," or " " alone is no number
 EXPRESSION_TOKENS = frozenset(["+", "-", "*", "/", "^", "**", "(", ")", "{", "}", "[", "]", "%", "\\frac", "\\sqrt"])
 VALUE_START_TOKENS = frozenset(["(", "{", "-", "+", "\\frac", "\\sqrt"])
@@ -288,8 +289,9 @@ def parse_answer(text: str) -> Rational | None:
     1. Box. Only the last \\boxed{...} is read, if there is one (found by one linear scan, before
        the MAX_ANSWER_CHARS limit applies to what is read).
     2. Remarks. Parentheses with a word or "=" in them are a remark and are dropped: "40 (8 in each
-       crate)", "40 (not 42)". A number's name in words beside it must be its value: "40 (forty)",
-       "forty (40)". A remark that hedges ("40 (or 42)", "(at least)") makes the answer unreadable.
+       crate)", "40 (not 42)". A number's name in words beside it is dropped when it is its value:
+       "40 (forty)", "forty (40)". A remark that hedges ("40 (or 42)", "(at least)") or misnames
+       ("40 (fifty)") makes the clause holding it unreadable (rule 5), whatever it holds.
     3. Statements. Sentences end at . ; ? and line breaks. In a sentence, the cues "so",
        "therefore", "thus", "hence", "answer", "####", "=", and "is", "are", "equals", "makes",
        "gives", "leaves", "a total of", ... when a value follows them, start a new clause; the
@@ -381,7 +383,8 @@ def _peek(tokens: list[str], position: int) -> str:
 
 def _without_remarks(tokens: list[str]) -> list[str]:
     """The tokens without parenthetical remarks (a word or "=" inside: "40 (8 in each crate)") and
-    without the name in words of a number written beside it ("forty (40)"), once each is checked."""
+    without the name in words of a number written beside it ("forty (40)"). A remark that hedges or
+    misnames its number becomes one UNREADABLE_REMARK token."""
     remarks, open_groups = [], []  # open_groups: [index of "(", whether a word is inside]
     for index, token in enumerate(tokens):
         if token == "(":
@@ -394,32 +397,37 @@ def _without_remarks(tokens: list[str]) -> list[str]:
                     open_groups[-1][1] = True
         elif open_groups and (_is_word(token) or token == "="):  # "(8 in each crate)", "(= 5 * 8)"
             open_groups[-1][1] = True
-    keep, dropped_until = [True] * len(tokens), -1
+    kept, dropped_until = list(tokens), -1
     for start, end in sorted(remarks):  # an enclosing remark sorts before the ones inside it
         if start > dropped_until:
-            _check_remark(tokens, start, end)
-            keep[start : end + 1] = [False] * (end + 1 - start)
+            kept[start : end + 1] = [None] * (end + 1 - start)
+            if not _is_plain_remark(tokens, start, end):
+                kept[start] = UNREADABLE_REMARK  # whatever cues it holds: "40 (or so 42 because ...)" is no 42
             dropped_until = end
-    return _without_names_before_digits([token for token, kept in zip(tokens, keep) if kept])
+    return _without_names_before_digits([token for token in kept if token is not None])
 
 
-def _check_remark(tokens: list[str], start: int, end: int) -> None:
+def _is_plain_remark(tokens: list[str], start: int, end: int) -> bool:
+    """Not "40 (or 42)" (another answer; "40 (not 42)" is plain) and not "40 (fifty)"."""
     inside = tokens[start + 1 : end]
     if any(token.lower() in HEDGE_WORDS for token in inside):
-        raise _Unparseable  # "40 (or 42)": another answer; "40 (not 42)" is fine
-    if not any(map(_is_number, inside)) and (name := _number_name(inside)) is not None:
-        if name != _number_before(tokens, start):
-            raise _Unparseable  # "40 (fifty)"
+        return False
+    name = None if any(map(_is_number, inside)) else _number_name(inside)
+    return name is None or name == _integer_before(tokens, start)
 
 
-def _number_before(tokens: list[str], position: int) -> Rational:
-    """The value of the number a remark at `position` follows, over at most three words ("40 melons (forty)")."""
+def _integer_before(tokens: list[str], position: int) -> int | None:
+    """The integer a remark at `position` follows, over at most three words ("40 melons (forty)")."""
     for token in reversed(tokens[max(0, position - 4) : position]):
         if _is_number(token):
-            return _number_value(token)
+            return _integer_value(token)
         if not token.isalpha():
             break
-    raise _Unparseable  # a number's name that names no number beside it
+    return None
+
+
+def _integer_value(token: str) -> int | None:
+    return int(re.sub("[, ]", "", token)) if INTEGER_LITERAL.fullmatch(token) else None
 
 
 def _number_name(tokens: list[str]) -> int | None:
@@ -448,10 +456,8 @@ def _without_names_before_digits(tokens: list[str]) -> list[str]:
             name_start = len(kept)
             while name_start > 0 and kept[name_start - 1].lower() in NUMBER_NAME_GLUE:
                 name_start -= 1
-            if (name := _number_name(kept[name_start:])) is not None:
-                if name != _number_value(tokens[index + 1]):
-                    raise _Unparseable  # "fifty (40)"
-                del kept[name_start:]
+            if _number_name(kept[name_start:]) == _integer_value(tokens[index + 1]) is not None:
+                del kept[name_start:]  # "forty (40)"; "fifty (40)" keeps its words, which make it unreadable
         kept.append(token)
     return kept
 
@@ -676,7 +682,7 @@ def _proper_fraction(tokens: list[str], position: int) -> tuple[Rational, int] |
             INTEGER_LITERAL.fullmatch(token) if expected == "#" else token == expected
             for token, expected in zip(window, shape)
         ):
-            numerator, denominator = (int(re.sub("[, ]", "", token)) for token in window if token[0].isdigit())
+            numerator, denominator = (_integer_value(token) for token in window if token[0].isdigit())
             end = position + len(shape)
             if 0 < numerator < denominator and _peek(tokens, end) not in ("^", "**"):
                 return Rational(numerator, denominator), end

@@ -421,7 +421,8 @@ NEIGHBOURS = [  # (answer, gold, the value it states by the documented rule; Non
     ("The answer is 40. 42 was my first guess.", "42", None), ("The answer is 40. So each crate has 8.", "8", None),
     ("\\boxed{40} is what I first thought; \\boxed{41}", "40", 41), (WORKED + "The answer is \\boxed{41}.", "40", 41),
     (WORKED + "#### 41", "40", 41), ("40 (forty-two)", "42", None), ("40 (forty-two)", "40", None),
-    ("fifty (40)", "50", None), ("forty", "40", None), ("40 == y", "40", None), ("x >= 40", "40", None),
+    ("fifty (40)", "50", None), ("forty", "40", None), ("40 (or so 42 because 5 * 8 = 40)", "42", None),
+    ("The answer is 40 (fifty, or 42).", "42", None), ("40 == y", "40", None), ("x >= 40", "40", None),
     ("9^(1/2)", "9", 3), ("2^(1/2)", "2", None), ("\\sqrt{-4}", "2", None), ("40^2", "40", 1600), ("40\u00b2", "40", 1600),
     ("40 x^2", "40", None), ("\u20ac42", "40", 42),
 ]
@@ -440,6 +441,7 @@ DOCUMENTED_READINGS = [
     ("She has 40 melons, so each crate holds 8", 8),  # the last conclusion in a sentence is its statement
     ("The answer is 40. That is 5 * 8.", 40),  # a later sentence restating the labelled value is fine
     ("18 or 19, so 18", 18),  # working before the last cue is not read, hedges included
+    ("I first wrote 40 (or 42). So the answer is 42.", 42),  # a hedging remark spoils only its own clause
 ]
 
 
