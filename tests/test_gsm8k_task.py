@@ -328,7 +328,8 @@ BENIGN = (
 @pytest.mark.parametrize("text", SLOW_SHAPES, ids=lambda text: repr(text)[:24])
 def test_every_call_is_fast_on_hostile_shapes(text):
     """Time linear in the length: a hostile shape costs under 50 ms, or at most 25 times a benign worked
-    answer of the same length timed alongside it (best of 5 each: the machine is shared, and its load slows both)."""
+    answer of the same length timed alongside it (best of 5 each). Both are CPU time of this thread: on the
+    shared machine a nice'd process is descheduled for ~100 ms at a time, which wall-clock time would count."""
     assert len(text) <= MAX_ANSWER_CHARS
     hostile, benign = (f"x</think> <answer>{answer}</answer>" for answer in (text, BENIGN[: len(text)]))
     timings = [(_seconds(reward_function, hostile, "18"), _seconds(reward_function, benign, "18")) for _ in range(5)]
@@ -337,9 +338,9 @@ def test_every_call_is_fast_on_hostile_shapes(text):
 
 
 def _seconds(function, *args) -> float:
-    start = time.perf_counter()
+    start = time.thread_time()
     function(*args)
-    return time.perf_counter() - start
+    return time.thread_time() - start
 
 
 # Issue 31: the families of everyday writing the grader once marked wrong, several phrasings each. The
