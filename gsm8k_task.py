@@ -166,6 +166,7 @@ MAX_ROOT_DEGREE = 64  # 9^(1/2) and \sqrt[3]{27} are exact; a 65th root is refus
 MAX_DECIMAL_EXPONENT = 1000  # 1e1000 has ~3,300 bits, within MAX_POWER_BITS
 
 BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+EMPTY_GROUP_AFTER_COMMAND = re.compile(r"(\\[A-Za-z]+)\s*\{\}")  # \texteuro{}40: the group only ends the name
 TEXT_COMMAND = re.compile(r"\\(?:text|textrm|textbf|textit|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
 # At most 200 characters between the stars: an unclosed "**" costs a bounded scan, not the whole text.
 MARKDOWN_BOLD = re.compile(r"(?<![\w)])\*\*(?=[^\s*])(.{1,200}?)(?<=[^\s*])\*\*(?![\w(])")
@@ -342,7 +343,8 @@ def _last_boxed(text: str) -> str | None:
 
 
 def _normalize(text: str) -> str:
-    text = MARKDOWN_BOLD.sub(r"\1", TEXT_COMMAND.sub(r" \1 ", text))
+    text = EMPTY_GROUP_AFTER_COMMAND.sub(r"\1 ", TEXT_COMMAND.sub(r" \1 ", text))
+    text = MARKDOWN_BOLD.sub(r"\1", text)
     for latex, plain in LATEX_REPLACEMENTS:
         text = text.replace(latex, plain)
     for pattern, braced in BARE_FRACTION_ARGUMENTS:

@@ -310,7 +310,7 @@ SLOW_UNITS = [  # each repeated up to the length limit, built to make a regex, t
     "1/", "1 1/2 ", "$", "\\text{", "more ", ".", "-", "1. ", "1 = ", "= 1 ", "1 = y ", "so 1 ", "is ", "1 is 2 ",
     "is the ", "makes ", "(a 1) ", "(", "(=", "forty (40) ", "1 (forty) ", "forty-", "and ", "1 because ", "1 which ",
     "1 which makes 2 ", "Since 1 ", "\\sqrt", "\\sqrt[", "9^(1/2)*", "64^(1/6)*", "1 cm^3 ", "#", "answer 1 ",
-    "**a** ", "< ", "\\", "Mr. ",
+    "**a** ", "< ", "\\", "Mr. ", "\\a {}", "\\a  ",
 ]
 SLOW_SHAPES = [(unit * MAX_ANSWER_CHARS)[:MAX_ANSWER_CHARS] for unit in SLOW_UNITS] + [
     "\\boxed{" * 31 + "1" + "}" * 31, "1e" + "9" * (MAX_ANSWER_CHARS - 2), "-" * (MAX_ANSWER_CHARS - 1) + "1",
@@ -362,6 +362,8 @@ FAMILIES = {
         ("40^\\circ F", "40"), ("40^{\\circ}", "40"), ("-5\u00b0F", "-5"), ("40 cm^3", "40"), ("40 cm\u00b3", "40"),
         ("40 m^2", "40"), ("40 ft**2", "40"), ("40 \\text{ cm}^3", "40"), ("40\\,\\mathrm{m}^{2}", "40"),
         ("The tank holds 40 m^3 of water.", "40"), ("\\boxed{40 \\text{ km}^2}", "40"),
+        ("\\texteuro{}40", "40"), ("\\textsterling{} 1,200", "1200"), ("40\\,\\textdegree{}C", "40"),
+        ("The ticket costs \u00a31,200.", "1200"), ("She pays \u20ac40 a month.", "40"), ("40 km\u00b2", "40"),
     ],
     "number with its justification": [
         ("5 crates of 8 melons, so 40 melons", "40"), ("5 crates of 8 melons, therefore 40", "40"),
