@@ -1,21 +1,23 @@
 """The GSM8K reward: throughput on real gold answers and hostile responses, and agreement with math-verify.
 
-Part 1 grades a response for every GSM8K gold answer, with the answer written in several forms
-(and one wrong form). Part 2 times responses built to be slow; each stays bounded because answers
-over gsm8k_task.MAX_ANSWER_CHARS are refused before parsing (a \\boxed{} is found first, by one linear
-scan) and the tag checks are linear in the response length. Part 3 grades answer/gold pairs built
-from the gold answers of --data by tests/fixtures/gsm8k/answer_corpus.py, with this grader and with
-math-verify (the dev dependency, timeouts off so that its grades do not depend on the machine's load):
-the short forms models write (issue 13) and the families of issue 31 (a long worked answer, currency
-and unit symbols, a justification, the number's name, an equation with a variable, an exact
-expression), each written right and wrong for --answers-per-form gold answers spread over the data.
-Every pair states its value by construction, so each grade is judged, and each disagreement is
-ours-wrong, math-verify-wrong, or ambiguous (the answer states two values a reader could take).
-There are no real model outputs in the repository to add to these pairs.
+Part 1 grades a response for every gold answer read, with the answer written in several forms (and
+one wrong form). Part 2 times responses built to be slow; each stays bounded because answers over
+gsm8k_task.MAX_ANSWER_CHARS are refused before parsing (a \\boxed{} is found first, by one linear
+scan) and the tag checks are linear in the response length. Part 3 grades answer/gold pairs with this
+grader and with math-verify (the dev dependency, timeouts off so that its grades do not depend on the
+machine's load). tests/fixtures/gsm8k/answer_corpus.py writes them, deterministically, from the gold
+answers of the committed sample and of the full GSM8K test split in --data: the short forms models
+write (issue 13) and the families of issue 31 (a long worked answer, currency and unit symbols, a
+justification, the number's name, an equation with a variable, an exact expression), each written
+right and wrong for --answers-per-form gold answers spread over each source. Every pair states its
+value by construction, so each grade is judged, and each disagreement is ours-wrong, math-verify-wrong,
+or ambiguous (the answer states two values a reader could take). There are no real model outputs of
+GSM8K runs in the repository to add to these pairs.
 
     uv run python -m bench.gsm8k_grader [--data DIR] [--answers-per-form 200] [--seconds-per-case 0.3] [--json-out report.json]
 
---data defaults to ../shared/data/gsm8k beside the repository where it is, else the committed sample.
+--data defaults to ../shared/data/gsm8k beside the repository. Where it has no test split, the pairs
+from it are skipped with a line that says so; without math-verify, part 3 is skipped the same way.
 """
 
 import argparse
@@ -26,14 +28,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also run as a file: uv run bench/gsm8k_grader.py
 
-from gsm8k_task import (
-    MAX_ANSWER_CHARS, answers_match, extract_gold_answer, load_gsm8k_rows, reward_function,
-)
-from tests.fixtures.gsm8k.answer_corpus import build_corpus, build_family_corpus, math_verify_grade
+from config import InputError
+from gsm8k_task import MAX_ANSWER_CHARS, answers_match, extract_gold_answer, load_gsm8k_rows, reward_function
+from tests.fixtures.gsm8k import answer_corpus
+from tests.fixtures.gsm8k.answer_corpus import build_corpus, build_family_corpus, math_verify_grade, read_rows
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SAMPLE_DIR = REPO_ROOT / "tests" / "fixtures" / "gsm8k"
-SHARED_DIR = REPO_ROOT.parent / "shared" / "data" / "gsm8k"
+SHARED_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 DISAGREEMENT_KINDS = ("ours_wrong", "math_verify_wrong", "ambiguous")
 
 END = "<|endoftext|>"
@@ -64,7 +64,7 @@ HOSTILE_CASES = {
     "nesting one past the limit": response_with("(" * 33 + "18" + ")" * 33),
     "\\frac x 40 (past nesting)": response_with("\\frac" * 40 + "18"),
     "unary minus chain at limit": response_with("-" * (MAX_ANSWER_CHARS - 4) + "18"),
-    "256 stars (markdown bold)": response_with("*" * MAX_ANSWER_CHARS),
+    "stars (markdown bold) at limit": response_with("*" * MAX_ANSWER_CHARS),
     "36 open \\boxed{": response_with("\\boxed{" * 36),
     "128 numbers 1 1 1 ...": response_with("1 " * 127),
     "1e + 254 nines": response_with("1e" + "9" * 254),
@@ -106,9 +106,22 @@ def time_hostile(response: str, seconds: float) -> dict:
     return {"chars": len(response), **summarize(durations, rewards)}
 
 
-def default_data_dir() -> Path:
-    """The full GSM8K files beside the repository where they are, else the committed sample."""
-    return SHARED_DIR if (SHARED_DIR / "train.jsonl").is_file() else SAMPLE_DIR
+def full_test_rows(data_dir: Path) -> list[dict]:
+    """The full GSM8K test split in data_dir, or none, with a line saying why its pairs are skipped."""
+    try:
+        return load_gsm8k_rows(data_dir, "test")
+    except InputError as error:
+        print(f"skipped: the pairs from the full GSM8K test split. {error}")
+        return []
+
+
+def agreement_pairs(sources: dict[str, list[dict]], answers_per_form: int) -> list:
+    """Part 3's pairs: each form written for `answers_per_form` gold answers spread over each source's rows."""
+    pairs = []
+    for rows in filter(None, sources.values()):  # a skipped source has no rows
+        golds = [extract_gold_answer(row["answer"]) for row in rows]
+        pairs += build_corpus(golds, answers_per_form) + build_family_corpus(rows, answers_per_form)
+    return pairs
 
 
 def judge_against_math_verify(pairs: list) -> dict:
@@ -175,26 +188,31 @@ def print_agreement(table: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", default=str(default_data_dir()),
-                        help="GSM8K directory (train.jsonl/test.jsonl or the Hub clone); default: ../shared/data/gsm8k "
-                             "beside the repository, else the committed sample")
+    parser.add_argument("--data", type=Path, default=SHARED_DIR,
+                        help="GSM8K directory with the full test split (test.jsonl or the Hub clone's main/test-*.parquet); "
+                             "default: ../shared/data/gsm8k beside the repository")
     parser.add_argument("--answers-per-form", type=int, default=200,
-                        help="gold answers each form of part 3 is written for, spread over the data")
+                        help="gold answers each form of part 3 is written for, spread over each source")
     parser.add_argument("--seconds-per-case", type=float, default=0.3, help="time spent on each hostile case")
     parser.add_argument("--json-out", help="also write the report as JSON to this file")
     args = parser.parse_args()
-    rows = load_gsm8k_rows(args.data, "train") + load_gsm8k_rows(args.data, "test")
+    sources = {"committed sample": read_rows(), f"{args.data} test split": full_test_rows(args.data)}
+    rows = [row for source_rows in sources.values() for row in source_rows]
     golds = [extract_gold_answer(row["answer"]) for row in rows]
     gold_results = {name: time_gold_answers(golds, form) for name, form in ANSWER_FORMS.items()}
     hostile_results = {name: time_hostile(response, args.seconds_per_case) for name, response in HOSTILE_CASES.items()}
-    pairs = build_corpus(golds, args.answers_per_form) + build_family_corpus(rows, args.answers_per_form)
-    agreement = judge_against_math_verify(pairs)
-    print(f"data: {args.data} ({len(rows)} rows)")
+    print(f"data: {', '.join(f'{name} ({len(source_rows)} rows)' for name, source_rows in sources.items())}")
     print_table(f"{len(golds)} gold answers, as", gold_results)
     print_table("hostile response", hostile_results)
-    print_agreement(agreement)
-    report = {"data": args.data, "max_answer_chars": MAX_ANSWER_CHARS, "gold_answers": gold_results,
-              "hostile": hostile_results, "agreement": agreement, "totals": totals(agreement.values())}
+    report = {"sources": {name: len(source_rows) for name, source_rows in sources.items()},
+              "max_answer_chars": MAX_ANSWER_CHARS, "gold_answers": gold_results, "hostile": hostile_results}
+    if answer_corpus.math_verify is None:
+        print("\nskipped: agreement with math-verify, which is not installed; it is in the dev dependency group "
+              "(uv sync, then uv run python -m bench.gsm8k_grader)")
+    else:
+        agreement = judge_against_math_verify(agreement_pairs(sources, args.answers_per_form))
+        print_agreement(agreement)
+        report |= {"agreement": agreement, "totals": totals(agreement.values())}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))
 
