@@ -156,7 +156,8 @@ class GSM8KDataset(torch.utils.data.Dataset):
 # Models write a bare number ("18", "$1,234", "\boxed{18}"), a sentence around it ("She makes $18 a
 # day."), or a short worked answer whose other numbers justify the final one ("5 crates of 8, so 40",
 # "25% of 160 is 40", "40 (8 in each crate)"). parse_answer's docstring is the rule that picks the
-# one number; the text is cut into tokens and parsed, never evaluated.
+# one number (docs/gsm8k_grader.md shows it on each family); the text is cut into tokens and parsed,
+# never evaluated.
 
 MAX_ANSWER_CHARS = 2048  # a worked answer of ~500 tokens; the last \boxed{} is found before this limit
 MAX_STATEMENT_CHARS = 256  # the clause read as the answer, spaces not counted; bounds the arithmetic
