@@ -291,9 +291,11 @@ def parse_answer(text: str) -> Rational | None:
     1. Box. Only the last \\boxed{...} is read, if there is one (found by one linear scan, before
        the MAX_ANSWER_CHARS limit applies to what is read).
     2. Remarks. Parentheses with a word or "=" in them are a remark and are dropped: "40 (8 in each
-       crate)", "40 (not 42)". A number's name in words beside it is dropped when it is its value:
-       "40 (forty)", "forty (40)". A remark that hedges ("40 (or 42)", "(at least)") or misnames
-       ("40 (fifty)") makes the clause holding it unreadable (rule 5), whatever it holds.
+       crate)", "40 (not 42)", "40 (5 * 8 = 40)". A number's name in words beside it is dropped when
+       it is its value: "40 (forty)", "forty (40)". A remark that hedges ("40 (or 42)", "(at least)"),
+       denies without a number ("42 (wrong)"), misnames ("40 (fifty)") or, read after the number it
+       follows by rules 3 and 4, states another value ("42 (no, the answer is 40)", "42 (42 - 2 = 40
+       left)") makes the clause holding it unreadable (rule 5), whatever it holds.
     3. Statements. Sentences end at . ; ? and line breaks. In a sentence, the cues "so",
        "therefore", "thus", "hence", "answer", "####", "=", and "is", "are", "equals", "makes",
        "gives", "leaves", "a total of", ... when a value follows them, start a new clause; the
@@ -411,22 +413,39 @@ def _without_remarks(tokens: list[str]) -> list[str]:
 
 
 def _is_plain_remark(tokens: list[str], start: int, end: int) -> bool:
-    """Not "40 (or 42)" (another answer; "40 (not 42)" is plain) and not "40 (fifty)"."""
+    """Working beside a value: no hedge ("40 (or 42)"); without a number, no denial ("42 (wrong)") and
+    no other number's name ("40 (fifty)"); with numbers, no value of its own but the one it follows
+    ("42 (no, the answer is 40)"), read after that number as a sentence ("40 (5 * 8 = 40)" is plain)."""
     inside = tokens[start + 1 : end]
-    if any(token.lower() in HEDGE_WORDS for token in inside):
+    words = {token.lower() for token in inside}
+    if words & HEDGE_WORDS:
         return False
-    name = None if any(map(_is_number, inside)) else _number_name(inside)
-    return name is None or name == _integer_before(tokens, start)
+    number = _number_before(tokens, start)
+    value = None if number is None else _read_statement(number)
+    if not any(map(_is_number, inside)):
+        name = _number_name(inside)
+        return not words & DENIAL_WORDS and (name is None or name == value)
+    # the comma keeps the remark's first number from joining the one before: "-7 (-6 in each crate)"
+    return number is None or _remark_value([*number, ",", *inside]) in (None, value)
 
 
-def _integer_before(tokens: list[str], position: int) -> int | None:
-    """The integer a remark at `position` follows, over at most three words ("40 melons (forty)")."""
-    for token in reversed(tokens[max(0, position - 4) : position]):
-        if _is_number(token):
-            return _integer_value(token)
-        if not token.isalpha():
-            break
+def _number_before(tokens: list[str], position: int) -> list[str] | None:
+    """The number a remark at `position` follows, with its sign, over at most three words ("40 melons (forty)")."""
+    for index in range(position - 1, max(position - 5, -1), -1):
+        if _is_number(tokens[index]):
+            return tokens[index - 1 : index + 1] if index > 0 and tokens[index - 1] == "-" else tokens[index : index + 1]
+        if not tokens[index].isalpha():
+            return None
     return None
+
+
+def _remark_value(tokens: list[str]) -> Rational | None:
+    """The value a remark states, read after the number it follows; None when it states no single value
+    ("40, 8 in each crate")."""
+    try:
+        return _answer_value([_read_sentence(sentence) for sentence in _sentences(tokens)])
+    except _Unparseable:
+        return None
 
 
 def _integer_value(token: str) -> int | None:

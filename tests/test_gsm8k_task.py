@@ -378,6 +378,9 @@ FAMILIES = {
         ("40 is 25% of 160", "40"), ("40 = 5 crates * 8 melons", "40"), ("42 is 2 more than 40", "42"),
         ("5 \u00d7 8 \u2192 40", "40"), ("5 * 8 => 40", "40"), ("$5 \\times 8 \\Rightarrow 40$", "40"),
         ("The answer is 40, because 5 * 8 = 40.", "40"), ("x = 40 because y = 3", "40"),
+        ("40 melons (which is 8 per crate)", "40"), ("40 (5 crates of 8, so 40)", "40"), ("40 (= 5 \\times 8)", "40"),
+        ("40 (that is, 5 crates of 8)", "40"), ("40 (not counting the 2 she ate)", "40"),
+        ("She fills 5 crates (= 40 melons), so the answer is 40.", "40"),
     ],
     "number and its name": [
         ("40 (forty)", "40"), ("forty (40)", "40"), ("40 (Forty)", "40"), ("$40 (forty dollars)", "40"),
@@ -425,7 +428,9 @@ NEIGHBOURS = [  # (answer, gold, the value it states by the documented rule; Non
     ("\\boxed{40} is what I first thought; \\boxed{41}", "40", 41), (WORKED + "The answer is \\boxed{41}.", "40", 41),
     (WORKED + "#### 41", "40", 41), ("40 (forty-two)", "42", None), ("40 (forty-two)", "40", None),
     ("fifty (40)", "50", None), ("forty", "40", None), ("40 (or so 42 because 5 * 8 = 40)", "42", None),
-    ("The answer is 40 (fifty, or 42).", "42", None), ("40 == y", "40", None), ("x >= 40", "40", None),
+    ("The answer is 40 (fifty, or 42).", "42", None), ("42 (wrong)", "42", None), ("42 (not the answer)", "42", None),
+    ("42 (this is wrong, the answer is 40)", "42", None), ("The answer is 42 (just kidding, it is 40).", "42", None),
+    ("42 (per crate, so 84 in all)", "42", None), ("42 (42 - 2 = 40 left)", "42", None), ("40 == y", "40", None), ("x >= 40", "40", None),
     ("9^(1/2)", "9", 3), ("2^(1/2)", "2", None), ("\\sqrt{-4}", "2", None), ("40^2", "40", 1600), ("40\u00b2", "40", 1600),
     ("40 x^2", "40", None), ("\u20ac42", "40", 42),
 ]
