@@ -174,27 +174,3 @@ def test_variants_table_gives_mean_min_max_over_seeds(tmp_path):
         variants_table.read_runs(tmp_path)).splitlines() if line.startswith("| ") and "variant" not in line}
     assert rows["dapo"] == "| dapo | 0,1 | 45.0 [40.0, 50.0] | +6.0 [+2.0, +10.0] | 50.0 [45.0, 55.0] | +3.0 [+1.0, +5.0] | 150.0 [100.0, 200.0] |"
     assert rows["baseline"].startswith("| baseline | 0 | 45.0 [45.0, 45.0] |")
-
-
-GRADER_BENCH_TINY = ["--answers-per-form", "1", "--seconds-per-case", "0"]
-
-
-@pytest.mark.slow
-def test_grader_bench_without_the_full_test_split_says_so_and_judges_the_committed_sample(tmp_path):
-    report, stdout = run_bench("gsm8k_grader", tmp_path, "--data", str(tmp_path / "nowhere"), *GRADER_BENCH_TINY)
-    assert f"skipped: the pairs from the full GSM8K test split. GSM8K directory {tmp_path / 'nowhere'} does not exist" in stdout
-    assert report["sources"] == {"committed sample": 87, f"{tmp_path / 'nowhere'} test split": 0}
-    assert report["gold_answers"]["plain 1234"]["calls"] == 87
-    families = {row["family"] for row in report["agreement"].values()}
-    assert len(families) == 7 and report["totals"]["judged"] > 100  # six families of issue 31 and the short forms
-    assert "| **all** |" in stdout and "ours wrong:" in stdout
-
-
-def test_grader_bench_without_math_verify_says_how_to_get_it(tmp_path):
-    blocked = ("import sys, runpy; sys.modules['math_verify'] = None; "
-               f"sys.argv = ['gsm8k_grader', '--data', {str(tmp_path)!r}, *{GRADER_BENCH_TINY!r}]; "
-               "runpy.run_module('bench.gsm8k_grader', run_name='__main__')")
-    completed = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, cwd=REPO_ROOT)
-    assert completed.returncode == 0, completed.stderr
-    assert "skipped: agreement with math-verify, which is not installed; it is in the dev dependency group" in completed.stdout
-    assert "hostile response" in completed.stdout

@@ -649,14 +649,17 @@ def test_sft_data_gets_full_reward_on_every_train_row(tmp_path, gsm8k_dir, templ
 
 
 @pytest.mark.slow
-def test_grader_bench_reports_throughput_and_the_agreement_table(tmp_path, gsm8k_sample_dir):
-    json_path = tmp_path / "report.json"
+def test_grader_bench_reports_throughput_and_the_agreement_table(tmp_path):
+    """Without the full test split (--data has none) the bench says so and judges the committed sample."""
+    json_path, no_data = tmp_path / "report.json", tmp_path / "nowhere"
     completed = subprocess.run(
-        [sys.executable, "-m", "bench.gsm8k_grader", "--data", str(gsm8k_sample_dir), "--answers-per-form", "5",
+        [sys.executable, "-m", "bench.gsm8k_grader", "--data", str(no_data), "--answers-per-form", "5",
          "--seconds-per-case", "0.001", "--json-out", str(json_path)],
         capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1],
     )
     report = json.loads(json_path.read_text())
+    assert f"skipped: the pairs from the full GSM8K test split. GSM8K directory {no_data} does not exist" in completed.stdout
+    assert report["sources"] == {"committed sample": 87, f"{no_data} test split": 0}
     assert report["gold_answers"]["plain 1234"]["mean_reward"] == pytest.approx(1.1)
     assert report["gold_answers"]["wrong 1235"]["mean_reward"] == pytest.approx(0.1)
     assert report["hostile"]["correct answer"]["mean_reward"] == pytest.approx(1.1)
@@ -672,3 +675,13 @@ def test_grader_bench_reports_throughput_and_the_agreement_table(tmp_path, gsm8k
     assert totals["ours_wrong"] < 0.02 * totals["judged"] and totals["disagree"]["ambiguous"] > 0
     assert "| two boxes, last wins | 1 | 1 | 0 | 1 | 0 | 1 | 0 |" in completed.stdout
     assert "ours wrong: " in completed.stdout and "| **all** |" in completed.stdout
+
+
+def test_grader_bench_without_math_verify_says_how_to_get_it(tmp_path):
+    blocked = ("import sys, runpy; sys.modules['math_verify'] = None; sys.argv = ['gsm8k_grader', '--data', "
+               f"{str(tmp_path)!r}, '--seconds-per-case', '0']; runpy.run_module('bench.gsm8k_grader', run_name='__main__')")
+    completed = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True,
+                               cwd=Path(__file__).resolve().parents[1])
+    assert completed.returncode == 0, completed.stderr
+    assert "skipped: agreement with math-verify, which is not installed; it is in the dev dependency group" in completed.stdout
+    assert "hostile response" in completed.stdout and "| **all** |" not in completed.stdout
