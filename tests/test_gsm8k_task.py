@@ -1,6 +1,5 @@
 """GSM8K task: loaders, prompts, the answer grader (against Fraction arithmetic) and the reward."""
 
-import functools
 import json
 import operator
 import re
@@ -18,8 +17,9 @@ from hypothesis import strategies as st
 
 import gsm8k_task
 from config import ConfigError
-import math_verify
-from fixtures.gsm8k.answer_corpus import FORMS, PROBES, build_corpus, read_gold_answers
+from fixtures.gsm8k.answer_corpus import (
+    FORMS, PROBES, build_corpus, build_family_corpus, math_verify_grade, read_gold_answers, read_rows,
+)
 from gsm8k_task import (
     MAX_ANSWER_CHARS,
     GSM8KDataset,
@@ -237,12 +237,13 @@ EQUIVALENT = [
     ("\\text{18 dollars}", "18"), ("18\\,\\text{kg}", "18"), ("18 \\mbox{ cm}", "18"), ("18 \\quad \\mathrm{km/h}", "18"),
     ("$18 dollars/hour", "18"),
     ("18 square feet", "18"), ("18 times", "18"), ("18 pounds", "18"), ("approximately 18", "18"),
+    ("\\sqrt{324}", "18"),  # issue 31: an exact root is a simple expression like any other
 ]
 NOT_EQUIVALENT = [
     ("19", "18"), ("180", "18"), ("1.8", "18"), ("18.0000001", "18"), ("0.333", "1/3"), ("50%", "0.5"),
     ("1,00", "100"), ("1,0000", "10000"), ("18 million", "18"), ("18 thousand", "18000"), ("eighteen", "18"),
     ("18 or 19", "18"), ("18, 19", "18"), ("18 and a half", "18"), ("3 x 6", "18"), ("2(9)", "18"),
-    ("\\sqrt{324}", "18"), ("18k", "18"), ("", "18"), ("   ", "18"), ("\\boxed{}", "18"), ("(18", "18"), ("18)", "18"),
+    ("18k", "18"), ("", "18"), ("   ", "18"), ("\\boxed{}", "18"), ("(18", "18"), ("18)", "18"),
     ("\u0661\u0668", "18"), ("18", "not a number"), ("18/0", "18"), ("0^-1", "0"),
     # issue 13 and issue 11 item 8: words that change the value, bounds, a second number
     ("18 squared", "18"), ("18 cubed", "18"), ("18 hundredths", "18"), ("18 grand", "18"), ("18 or more", "18"),
@@ -267,7 +268,8 @@ def test_different_or_unreadable_answers_are_rejected(predicted, gold):
 
 HOSTILE = [
     ("9" * 1_000_000, None),
-    ("1" * 257, None),  # one past the length limit
+    ("1" * 257, None),  # one past the statement limit
+    ("18." + " " * MAX_ANSWER_CHARS, None),  # one past the answer limit, with no \\boxed{}
     ("(" * 33 + "1" + ")" * 33, None),  # one past the nesting limit
     ("(" * 31 + "1" + ")" * 31, Fraction(1)),
     ("(" * 100_000, None),
@@ -280,8 +282,15 @@ HOSTILE = [
     ("2^1000", Fraction(2) ** 1000),
     ("-" * 250 + "1", Fraction(1)),
     ("1/(1-1)", None),
-    ("4^(1/2)", None),  # roots leave the rationals
-    ("4^0.5", None),
+    ("4^(1/2)", Fraction(2)),  # issue 31: rational roots are exact
+    ("4^0.5", Fraction(2)),
+    ("2^(1/2)", None),  # irrational
+    ("(-4)^(1/2)", None),  # not real
+    ("(-8)^(1/3)", Fraction(-2)),
+    ("2^(1/65)", None),  # past MAX_ROOT_DEGREE, refused before any root is taken
+    ("\\sqrt[0]{4}", None),
+    ("10^10^10", None),
+    ("(10^1000)^(1/2)", Fraction(10) ** 500),
     ("0^-1", None),  # sympy would give zoo
     ("0^{-2}", None),
     ("\\frac{1}{0}", None),
@@ -296,26 +305,169 @@ def test_hostile_answers(text, value):
     assert parse_answer(text) == value
 
 
-SLOW_SHAPES = [  # each at or near the length limit, built to make a regex or the parser work hard
-    "*" * MAX_ANSWER_CHARS, "**1" * 85, "\\boxed{" * 36, "\\boxed{" * 31 + "1" + "}" * 31, "{" * 256,
-    "\\frac" * 51, "\\frac1" * 42, "\\frac{" * 42, "1 " * 128, "1 000 " * 42, "1,000" * 51, "1e" + "9" * 254,
-    "9e999" * 51, "a " * 128, "=" * 256, "x=" * 128, "(" * 128 + ")" * 128, "1/" * 127 + "1", "1 1/2 " * 42,
-    "$" * 256, "\\text{" * 42, "more " * 51, "." * 256, "-" * 255 + "1",
+SLOW_UNITS = [  # each repeated up to the length limit, built to make a regex, the clause reader or the parser work hard
+    "*", "**1", "\\boxed{", "{", "\\frac", "\\frac1", "\\frac{", "1 ", "1 000 ", "1,000", "9e999", "a ", "=", "x=",
+    "1/", "1 1/2 ", "$", "\\text{", "more ", ".", "-", "1. ", "1 = ", "= 1 ", "1 = y ", "so 1 ", "is ", "1 is 2 ",
+    "is the ", "makes ", "(a 1) ", "(", "(=", "forty (40) ", "1 (forty) ", "forty-", "and ", "1 because ", "1 which ",
+    "1 which makes 2 ", "Since 1 ", "\\sqrt", "\\sqrt[", "9^(1/2)*", "64^(1/6)*", "1 cm^3 ", "#", "answer 1 ",
+    "**a** ", "< ", "\\", "Mr. ", "\\a {}", "\\a  ",
 ]
+SLOW_SHAPES = [(unit * MAX_ANSWER_CHARS)[:MAX_ANSWER_CHARS] for unit in SLOW_UNITS] + [
+    "\\boxed{" * 31 + "1" + "}" * 31, "1e" + "9" * (MAX_ANSWER_CHARS - 2), "-" * (MAX_ANSWER_CHARS - 1) + "1",
+    "(" * (MAX_ANSWER_CHARS // 2) + ")" * (MAX_ANSWER_CHARS // 2), ("1+" * MAX_ANSWER_CHARS)[: MAX_ANSWER_CHARS - 1],
+    "(" * 31 + "a" + ")" * 31 + "1" * (MAX_ANSWER_CHARS - 63),
+]
+
+
+BENIGN = (
+    "Each crate holds 8 melons and Mia fills 5 crates, so she picks 5 * 8 = 40 melons. She eats 2 of them, "
+    "which leaves 38. "
+) * 40
 
 
 @pytest.mark.parametrize("text", SLOW_SHAPES, ids=lambda text: repr(text)[:24])
 def test_every_call_is_fast_on_hostile_shapes(text):
+    """Time linear in the length: a hostile shape costs under 50 ms, or at most 25 times a benign worked
+    answer of the same length timed alongside it (best of 5 each). Both are CPU time of this thread: on the
+    shared machine a nice'd process is descheduled for ~100 ms at a time, which wall-clock time would count."""
     assert len(text) <= MAX_ANSWER_CHARS
-    response = f"x</think> <answer>{text}</answer>"
-    best = min(_seconds(reward_function, response, "18") for _ in range(3))  # best of 3: the machine is shared
-    assert best < 0.05
+    hostile, benign = (f"x</think> <answer>{answer}</answer>" for answer in (text, BENIGN[: len(text)]))
+    timings = [(_seconds(reward_function, hostile, "18"), _seconds(reward_function, benign, "18")) for _ in range(5)]
+    hostile_seconds, benign_seconds = (min(column) for column in zip(*timings))
+    assert hostile_seconds < max(0.05, 25 * benign_seconds)
 
 
 def _seconds(function, *args) -> float:
-    start = time.perf_counter()
+    start = time.thread_time()
     function(*args)
-    return time.perf_counter() - start
+    return time.thread_time() - start
+
+
+# Issue 31: the families of everyday writing the grader once marked wrong, several phrasings each. The
+# value each answer states is fixed here by hand; each answer is also checked against the gold plus one.
+WORKED = (  # longer than a statement may be, as real worked answers are
+    "Each crate holds 8 melons and Mia fills 5 crates, so she picks 5 * 8 = 40 melons. She eats 2 of them on "
+    "the way home and gives 3 to her neighbour, which leaves 40 - 2 - 3 = 35. Her aunt brings 5 more, so now "
+    "she has 35 + 5 = 40 melons. "
+)
+FAMILIES = {
+    "long worked answer": [
+        (WORKED + "The answer is \\boxed{40}.", "40"), (WORKED + "\\boxed{40}", "40"),
+        (WORKED + "So the answer is 40.", "40"), (WORKED + "\n#### 40", "40"), (WORKED, "40"),
+        (WORKED * 10 + "The answer is $\\boxed{40}$.", "40"), ("x" * 100_000 + " \\boxed{40}", "40"),
+    ],
+    "currency and unit symbols": [
+        ("\u20ac40", "40"), ("40 \u20ac", "40"), ("\u00a340.00", "40"), ("\u00a540", "40"), ("\u20b940", "40"),
+        ("40\u00a2", "40"), ("\\pounds 40", "40"), ("\\euro 40", "40"), ("40\u00b0", "40"), ("40 \u00b0C", "40"),
+        ("40^\\circ F", "40"), ("40^{\\circ}", "40"), ("-5\u00b0F", "-5"), ("40 cm^3", "40"), ("40 cm\u00b3", "40"),
+        ("40 m^2", "40"), ("40 ft**2", "40"), ("40 \\text{ cm}^3", "40"), ("40\\,\\mathrm{m}^{2}", "40"),
+        ("The tank holds 40 m^3 of water.", "40"), ("\\boxed{40 \\text{ km}^2}", "40"),
+        ("\\texteuro{}40", "40"), ("\\textsterling{} 1,200", "1200"), ("40\\,\\textdegree{}C", "40"),
+        ("The ticket costs \u00a31,200.", "1200"), ("She pays \u20ac40 a month.", "40"), ("40 km\u00b2", "40"),
+    ],
+    "number with its justification": [
+        ("5 crates of 8 melons, so 40 melons", "40"), ("5 crates of 8 melons, therefore 40", "40"),
+        ("She picks 5 crates of 8 melons; thus 40.", "40"), ("40 (8 in each crate)", "40"),
+        ("40 melons (5 crates of 8)", "40"), ("40 (5 \\times 8 = 40)", "40"), ("25% of 160 is 40", "40"),
+        ("5 times 8 is 40", "40"), ("40 melons, because 5 crates hold 8 each", "40"),
+        ("40, since each of the 5 crates holds 8", "40"), ("40 because 42 - 2 = 40", "40"),
+        ("Since each of the 5 crates holds 8 melons, she has 40 melons.", "40"),
+        ("With 8 melons in each of 5 crates, she has 40.", "40"), ("8 in each of 5 crates, which makes 40", "40"),
+        ("40 melons, which is 8 per crate", "40"), ("She fills 5 crates with 8 melons each for a total of 40.", "40"),
+        ("5 * 8 = 40 melons", "40"), ("Each crate holds 8 melons. Therefore she has 40.", "40"),
+        ("40 is 25% of 160", "40"), ("40 = 5 crates * 8 melons", "40"), ("42 is 2 more than 40", "42"),
+        ("5 \u00d7 8 \u2192 40", "40"), ("5 * 8 => 40", "40"), ("$5 \\times 8 \\Rightarrow 40$", "40"),
+        ("The answer is 40, because 5 * 8 = 40.", "40"), ("x = 40 because y = 3", "40"),
+        ("40 melons (which is 8 per crate)", "40"), ("40 (5 crates of 8, so 40)", "40"), ("40 (= 5 \\times 8)", "40"),
+        ("40 (that is, 5 crates of 8)", "40"), ("40 (not counting the 2 she ate)", "40"),
+        ("She fills 5 crates (= 40 melons), so the answer is 40.", "40"),
+    ],
+    "number and its name": [
+        ("40 (forty)", "40"), ("forty (40)", "40"), ("40 (Forty)", "40"), ("$40 (forty dollars)", "40"),
+        ("40 melons (forty melons)", "40"), ("42 (forty-two)", "42"), ("105 (one hundred and five)", "105"),
+        ("1,200 (one thousand two hundred)", "1200"), ("The answer is 40 (forty).", "40"),
+        ("40 \\text{ (forty)}", "40"), ("forty-two (42) melons", "42"),
+    ],
+    "equation with a variable": [
+        ("40 = y", "40"), ("y = 40", "40"), ("40 = x", "40"), ("n = 40 melons", "40"), ("m = 5 \\times 8 = 40", "40"),
+        ("\\boxed{y = 40}", "40"), ("\\boxed{40 = y}", "40"), ("total = 40", "40"),
+        ("Let m be the number of melons: m = 40.", "40"), ("40 = the number of melons", "40"),
+    ],
+    "exact expression": [
+        ("9^(1/2)", "3"), ("\\sqrt{9}", "3"), ("sqrt(9)", "3"), ("\u221a9", "3"), ("2^3", "8"), ("2**3", "8"),
+        ("2\u00b3", "8"), ("\\sqrt[3]{27}", "3"), ("8^{2/3}", "4"), ("16^{0.5}", "4"), ("(1/4)^{-1/2}", "2"),
+        ("10^2 - 60", "40"), ("\\boxed{2^{3}}", "8"), ("\\frac{\\sqrt{16}}{2}", "2"), ("(-8)^{1/3}", "-2"),
+    ],
+}
+FAMILY_CASES = [(family, answer, gold) for family, cases in FAMILIES.items() for answer, gold in cases]
+
+
+@pytest.mark.parametrize(("family", "answer", "gold"), FAMILY_CASES, ids=lambda case: repr(case)[:40])
+def test_families_of_everyday_writing_are_graded_right(family, answer, gold):
+    assert parse_answer(answer) == Fraction(gold)
+    assert answers_match(answer, gold)
+    assert not answers_match(answer, str(int(gold) + 1))
+
+
+# The gold number appears, but the answer states another value (or none): these must stay wrong.
+NEIGHBOURS = [  # (answer, gold, the value it states by the documented rule; None: unreadable)
+    ("not 42, the answer is 40", "42", 40), ("42 is wrong; the answer is 40", "42", 40),
+    ("I first got 42, but the answer is 40.", "42", 40), ("The answer is 40, not 42", "42", None),
+    ("42 - 2 = 40", "42", 40), ("40 = 42 - 2", "42", 40),  # an equation states its last side
+    ("y = 42, x = 40", "42", 40), ("40 = y = 41", "40", 41), ("x = 40 because y = 42", "42", 40),
+    ("42 melons minus 2 eaten leaves 40", "42", 40), ("40, which is 42 - 2", "42", 40),
+    ("40 (8 in each crate)", "8", 40), ("40 (not 42)", "42", 40), ("40 (or 42)", "42", None), ("40 (or 42)", "40", None),
+    ("40 (at least)", "40", None), ("5 crates of 8 melons, so 40 melons", "8", 40), ("25% of 160 is 40", "160", 40),
+    ("40 melons, because 5 crates hold 8 each", "5", 40), ("40 melons, which is 8 per crate", "8", 40),
+    ("8 in each crate, which makes 40", "8", 40), ("She has 40 melons in 5 crates", "5", None),
+    ("40 melons, 8 per crate", "8", None), ("The answer is 40 melons in 5 crates.", "5", None),
+    ("42 - 2 = 40 or 38", "40", None), ("40 is 25% of 160, not 42", "40", None),
+    ("42 - 2 is 39 melons in 5 crates", "40", None), ("40 => 42", "40", 42),
+    ("40 or 42", "42", None), ("42 or 40", "40", None), ("42 is wrong", "42", None),
+    ("The answer is 40. 42 was my first guess.", "42", None), ("The answer is 40. So each crate has 8.", "8", None),
+    ("\\boxed{40} is what I first thought; \\boxed{41}", "40", 41), (WORKED + "The answer is \\boxed{41}.", "40", 41),
+    (WORKED + "#### 41", "40", 41), ("40 (forty-two)", "42", None), ("40 (forty-two)", "40", None),
+    ("fifty (40)", "50", None), ("forty", "40", None), ("40 (or so 42 because 5 * 8 = 40)", "42", None),
+    ("The answer is 40 (fifty, or 42).", "42", None), ("42 (wrong)", "42", None), ("42 (not the answer)", "42", None),
+    ("42 (this is wrong, the answer is 40)", "42", None), ("The answer is 42 (just kidding, it is 40).", "42", None),
+    ("42 (per crate, so 84 in all)", "42", None), ("42 (42 - 2 = 40 left)", "42", None), ("40 == y", "40", None), ("x >= 40", "40", None),
+    ("9^(1/2)", "9", 3), ("2^(1/2)", "2", None), ("\\sqrt{-4}", "2", None), ("40^2", "40", 1600), ("40\u00b2", "40", 1600),
+    ("40 x^2", "40", None), ("\u20ac42", "40", 42),
+]
+
+
+@pytest.mark.parametrize(("answer", "gold", "stated"), NEIGHBOURS, ids=lambda case: repr(case)[:40])
+def test_the_gold_number_in_the_text_is_not_the_answer_unless_stated(answer, gold, stated):
+    assert parse_answer(answer) == (None if stated is None else Fraction(stated))
+    assert not answers_match(answer, gold)
+
+
+# Where the rule reads a number a hasty reader might not: pinned so that a change to the rule is seen.
+DOCUMENTED_READINGS = [
+    ("5 * 8 = 40. There are 5 crates.", 5),  # without "answer"/"####", the last sentence states the answer
+    ("She has 40 melons. So 5 crates.", 5),
+    ("She has 40 melons, so each crate holds 8", 8),  # the last conclusion in a sentence is its statement
+    ("The answer is 40. That is 5 * 8.", 40),  # a later sentence restating the labelled value is fine
+    ("18 or 19, so 18", 18),  # working before the last cue is not read, hedges included
+    ("I first wrote 40 (or 42). So the answer is 42.", 42),  # a hedging remark spoils only its own clause
+]
+
+
+@pytest.mark.parametrize(("answer", "stated"), DOCUMENTED_READINGS)
+def test_documented_readings(answer, stated):
+    assert parse_answer(answer) == stated
+
+
+def test_family_corpus_is_graded_by_the_value_each_answer_states():
+    """Every gold answer of the sample in every family form, right and wrong (the bench's pairs, with their
+    truth fixed by construction). Only a bare worked solution may be unreadable, where its last sentence
+    holds a second number ("... = 5 hours to read 120 pages.")."""
+    pairs = build_family_corpus(read_rows())
+    assert len({pair.family for pair in pairs}) == 6 and len(pairs) > 6000
+    wrong = [pair for pair in pairs if pair.correct is not None and answers_match(pair.answer, pair.gold) != pair.correct]
+    assert {pair.form for pair in wrong} <= {"the working alone"}
+    assert all(pair.correct for pair in wrong)  # a false 0, never a false 1
+    assert len(wrong) <= 0.15 * sum(pair.form == "the working alone" for pair in pairs)
 
 
 # math-verify (the grader of the second design document's lineage) is the oracle: on the corpus of
@@ -336,15 +488,6 @@ DELIBERATE_DIFFERENCES = {  # corpus form -> (our grade, why we differ from math
     "Unicode minus": (True, "'\u22127' is -7; math-verify does not read U+2212"),
     "undelimited \\times": (True, "'36 \\times 2' is 72; math-verify reads only the 2 outside math delimiters"),
 }
-
-
-@functools.cache
-def math_verify_parse(text: str) -> list:
-    return math_verify.parse(text)
-
-
-def math_verify_grade(answer: str, gold: str) -> bool:
-    return math_verify.verify(math_verify_parse(gold), math_verify_parse(answer))
 
 
 def test_grader_agrees_with_math_verify_on_real_gold_answers():
@@ -398,8 +541,17 @@ def test_parser_matches_fraction_arithmetic(expression):
     assert parse_answer(f"\\boxed{{{text}}}") == value
 
 
-@given(st.text(alphabet="0123456789.,+-*/^(){}%$\\ fracboxedtxlmE=:\u2009", max_size=60))
-@settings(max_examples=500, deadline=None)
+# Words and symbols the clause reader reacts to, for random sentences built from them.
+SOUP = ["so", "is", "makes", "a total of", "answer", "####", "=", "because", "which", "with", "Since", "not", "or",
+        "forty", "(forty)", "(", ")", "(8 in each)", "40", "8", "1/2", "-", "^", "\\sqrt", "[3]", "{", "}", ",", ".",
+        "\n", "x", "y", "cm^3", "\u20ac", "\\boxed{", "<", "!", "melons"]
+
+
+@given(st.one_of(
+    st.text(alphabet="0123456789.,+-*/^(){}[]%$\\ fracboxedtxlmE=:;?#\u2009\n\u20ac\u00b0\u00b2\u221a<!", max_size=60),
+    st.lists(st.sampled_from(SOUP), max_size=25).map(" ".join),
+))
+@settings(max_examples=800, deadline=None)
 @example("0 0/,")  # a separator alone once passed for the second integer of a fraction
 def test_grader_never_raises(text):
     assert answers_match(text, "18") in (True, False)
@@ -498,17 +650,38 @@ def test_sft_data_gets_full_reward_on_every_train_row(tmp_path, gsm8k_dir, templ
 
 @pytest.mark.slow
 def test_grader_bench_reports_throughput_and_the_agreement_table(tmp_path):
-    json_path = tmp_path / "report.json"
+    """Without the full test split (--data has none) the bench says so and judges the committed sample."""
+    json_path, no_data = tmp_path / "report.json", tmp_path / "nowhere"
     completed = subprocess.run(
-        [sys.executable, "-m", "bench.gsm8k_grader", "--seconds-per-case", "0.001", "--json-out", str(json_path)],
+        [sys.executable, "-m", "bench.gsm8k_grader", "--data", str(no_data), "--answers-per-form", "5",
+         "--seconds-per-case", "0.001", "--json-out", str(json_path)],
         capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1],
     )
     report = json.loads(json_path.read_text())
+    assert f"skipped: the pairs from the full GSM8K test split. GSM8K directory {no_data} does not exist" in completed.stdout
+    assert report["sources"] == {"committed sample": 87, f"{no_data} test split": 0}
     assert report["gold_answers"]["plain 1234"]["mean_reward"] == pytest.approx(1.1)
     assert report["gold_answers"]["wrong 1235"]["mean_reward"] == pytest.approx(0.1)
     assert report["hostile"]["correct answer"]["mean_reward"] == pytest.approx(1.1)
     assert report["hostile"]["power tower 9^9^9^9"]["mean_reward"] == pytest.approx(0.1)
-    disagreeing = {form for form, row in report["agreement"].items() if row["disagree"]}
-    assert disagreeing == set(DELIBERATE_DIFFERENCES)
-    assert "agreement with math-verify: " in completed.stdout
-    assert "| two boxes, last wins | 1 | 1 | 0 | 1 |" in completed.stdout
+    assert report["hostile"]["100k text, then \\boxed{18}"]["mean_reward"] == pytest.approx(1.1)
+    table = report["agreement"]
+    short_forms = {form for form, row in table.items() if row["family"] == "short final answer"}
+    assert short_forms == set(FORMS) | set(PROBES)
+    assert {form for form in short_forms if sum(table[form]["disagree"].values())} == set(DELIBERATE_DIFFERENCES)
+    assert table["plain"]["pairs"] == 5 and table["boxed after the working"]["pairs"] == 10  # right and wrong
+    totals = report["totals"]
+    assert totals["judged"] == sum(row["judged"] for row in table.values()) > 400
+    assert totals["ours_wrong"] < 0.02 * totals["judged"] and totals["disagree"]["ambiguous"] > 0
+    assert "| two boxes, last wins | 1 | 1 | 0 | 1 | 0 | 1 | 0 |" in completed.stdout
+    assert "ours wrong: " in completed.stdout and "| **all** |" in completed.stdout
+
+
+def test_grader_bench_without_math_verify_says_how_to_get_it(tmp_path):
+    blocked = ("import sys, runpy; sys.modules['math_verify'] = None; sys.argv = ['gsm8k_grader', '--data', "
+               f"{str(tmp_path)!r}, '--seconds-per-case', '0']; runpy.run_module('bench.gsm8k_grader', run_name='__main__')")
+    completed = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True,
+                               cwd=Path(__file__).resolve().parents[1])
+    assert completed.returncode == 0, completed.stderr
+    assert "skipped: agreement with math-verify, which is not installed; it is in the dev dependency group" in completed.stdout
+    assert "hostile response" in completed.stdout and "| **all** |" not in completed.stdout
