@@ -11,8 +11,10 @@ Hub id is fetched (hub.py), and a model or data directory that is missing (a typ
 or generates it, before anything is built.
 """
 
+import contextlib
 import logging
 import shlex
+import shutil
 from pathlib import Path
 
 import checkpoint
@@ -52,27 +54,60 @@ def check_inputs(config: BootstrapConfig, task: TaskConfig | None, model: ModelS
         inputs.check_model_dir(Path(model.dir))
 
 
-def prepare_missing_inputs(config: BootstrapConfig, task: TaskConfig, model: ModelSetup | None) -> None:
+def prepare_missing_inputs(config: BootstrapConfig, task: TaskConfig, model: ModelSetup | None,
+                           max_prompt_len: int | None = None) -> None:
     """Generate task.data_dir, then build the base model and SFT it into model.dir, where missing and
-    named by the bootstrap section; `model` None: no model needed (resuming from a checkpoint)."""
+    named by the bootstrap section; `model` None: no model needed (resuming from a checkpoint).
+    max_prompt_len (rollout.max_prompt_len) is checked against the base model's tokenizer before any data
+    is generated or the warm-up runs, so a prompt limit nothing fits costs a second, not the warm-up."""
     check_inputs(config, task, model)
     import countdown_task
     import tiny_model
     from train_sft import SFTConfig, train_sft
 
-    if not Path(task.data_dir).exists():
-        logger.info("generating the CountDown dataset %s", task.data_dir)
-        countdown_task.main(["generate", "--out", task.data_dir, *shlex.split(config.dataset_args)])
+    sft_config = None
     if model is not None and not Path(model.dir).exists():
         sft_config = config_lib.load(SFTConfig, config.sft_config, [*config.sft_overrides, f"output_dir={model.dir}"])
         sft_config.task = task  # the warm-up learns the task GRPO will train on, from the same data
-        if config.base_model_args and not Path(sft_config.model.dir).exists():
+        builds_base = bool(config.base_model_args) and not Path(sft_config.model.dir).exists()
+        if builds_base:
             logger.info("building the base model %s", sft_config.model.dir)
             tiny_model.main(["--out", sft_config.model.dir, *shlex.split(config.base_model_args)])
-        check_inputs(BootstrapConfig(), None, sft_config.model)  # a base model given by Hub id: fetched
+        with _removed_on_error(Path(sft_config.model.dir)) if builds_base else contextlib.nullcontext():
+            check_inputs(BootstrapConfig(), None, sft_config.model)  # a base model given by Hub id: fetched
+            _check_shortest_prompt(config, task, Path(sft_config.model.dir), max_prompt_len)
+    if not Path(task.data_dir).exists():
+        logger.info("generating the CountDown dataset %s", task.data_dir)
+        countdown_task.main(["generate", "--out", task.data_dir, *shlex.split(config.dataset_args)])
+    if sft_config is not None:
         # A warm-up stopped by Ctrl-C goes on from its checkpoint; else it starts over (its old logs deleted).
         interrupted = sft_config.run_name and checkpoint.latest_resumable(
             Path(sft_config.checkpoint.dir) / sft_config.run_name)
         logger.info("SFT warm-up: %s -> %s%s", sft_config.model.dir, model.dir,
                     f", continuing from {interrupted}" if interrupted else "")
         train_sft(sft_config, resume=interrupted and str(interrupted), overwrite=not interrupted)
+
+
+def _check_shortest_prompt(config: BootstrapConfig, task: TaskConfig, tokenizer_dir: Path,
+                           max_prompt_len: int | None) -> None:
+    """Refuse a rollout.max_prompt_len that even the shortest prompt the bootstrap's dataset can hold exceeds."""
+    if max_prompt_len is None or not builds_data(config, task) or Path(task.data_dir).exists():
+        return  # existing data: train.py checks its first prompts as it loads them, in a second
+    import countdown_task
+    from tokenizer import Tokenizer
+
+    args = countdown_task.command_line_parser().parse_args(
+        ["generate", "--out", task.data_dir, *shlex.split(config.dataset_args)])
+    shortest = len(countdown_task.shortest_prompt(Tokenizer(tokenizer_dir), args, task.question_last))
+    config_lib.check(shortest <= max_prompt_len, "rollout.max_prompt_len", f"even the shortest prompt of the "
+                     f"bootstrap's dataset has {shortest} tokens: raise it to at least {shortest}", max_prompt_len)
+
+
+@contextlib.contextmanager
+def _removed_on_error(directory: Path):
+    """Remove `directory` (just built) if the block raises: a refused run leaves nothing behind."""
+    try:
+        yield
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise

@@ -414,7 +414,7 @@ def generate(args: argparse.Namespace) -> Path:
     return out_file
 
 
-def main(argv: list[str] | None = None) -> None:
+def command_line_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="write a solvable CountDown dataset to OUT/data/train-00000-of-00001.parquet")
@@ -429,7 +429,18 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--max-target", type=int, default=100)
     gen.add_argument("--expressions-per-draw", type=int, default=20, help="random expressions tried before redrawing the numbers")
     gen.add_argument("--with-solutions", action="store_true", help="add a `solution` column with one reference expression (for SFT)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def shortest_prompt(tokenizer, args: argparse.Namespace, question_last: bool) -> list[int]:
+    """The token ids of the shortest prompt `generate` can write with these arguments: the fewest numbers,
+    each the smallest, and the smallest target (a lower bound that needs no data)."""
+    return tokenizer.encode(render_prompt(tokenizer, [args.min_number] * args.min_numbers, args.min_target,
+                                          question_last))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = command_line_parser().parse_args(argv)
     print(f"wrote {generate(args)}")
 
 

@@ -236,7 +236,8 @@ def start_run(config: TrainConfig, resume: str | None, overwrite: bool) -> tuple
                                          Path(config.logging.log_dir) / config.run_name, bool(checkpoint_dir), overwrite)
     if distributed.world_size() == 1:  # ranks would race to write the same files: bootstrap single-process
         with checkpoint.released_on_error(run_claim):
-            bootstrap.prepare_missing_inputs(config.bootstrap, config.task, base_model)
+            bootstrap.prepare_missing_inputs(config.bootstrap, config.task, base_model,
+                                                 config.rollout.max_prompt_len)
     return checkpoint_dir, run_claim
 
 

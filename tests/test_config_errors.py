@@ -102,6 +102,19 @@ def test_bad_training_value_stops_before_any_work(override, message, tmp_path, c
     assert list(tmp_path.iterdir()) == []
 
 
+def test_prompt_limit_no_prompt_fits_is_refused_before_the_bootstrap_works(tmp_path, capsys):
+    # On a fresh clone the prompts exist only once the bootstrap has generated the data and warmed the model up:
+    # the limit is checked against the shortest prompt the dataset could hold, with the base model's tokenizer.
+    overrides = [*isolated_overrides(tmp_path), f"--set=bootstrap.sft_overrides=[model.dir={tmp_path / 'base'}]",
+                 "--set=rollout.max_prompt_len=5"]
+    err = run_main(train.main, ["--config", "config_cpu.yaml", *overrides], capsys)
+    assert err.startswith("config error: rollout.max_prompt_len: even the shortest prompt of the bootstrap's dataset "
+                          "has "), err
+    shortest = int(err.split(" has ")[1].split(" ")[0])
+    assert err.endswith(f"raise it to at least {shortest}, got 5\n") and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []  # the base model built for the check is removed again
+
+
 @pytest.mark.parametrize("override, message", [
     ("optim.min_learning_rate_ratio=2", "optim.min_learning_rate_ratio: must be in [0, 1], got 2.0"),
     ("optim.warmup_steps=-1", "optim.warmup_steps: must be >= 0, got -1"),

@@ -470,3 +470,17 @@ def test_sft_response_spells_out_steps_and_scores_full_reward(tmp_path):
     assert countdown_task.sft_response({"solution": "(3 + 5) * 2"}) == (
         " 3 + 5 = 8, 8 * 2 = 16 </think>\n<answer> (3 + 5) * 2 </answer>"
     )
+
+
+@pytest.mark.parametrize("question_last", [False, True])
+def test_shortest_prompt_bounds_every_generated_prompt(tmp_path, tokenizer, question_last):
+    argv = ["generate", "--out", str(tmp_path), "--size", "300", "--seed", "1", "--min-numbers", "2",
+            "--max-numbers", "3", "--max-number", "20"]
+    countdown_task.main(argv)
+    args = countdown_task.command_line_parser().parse_args(argv)
+    dataset = CountdownDataset(tmp_path, tokenizer, "train", test_size=0, question_last=question_last)
+    lengths = [len(dataset[index]["prompt_token_ids"]) for index in range(len(dataset))]
+    shortest = len(countdown_task.shortest_prompt(tokenizer, args, question_last))
+    # A lower bound (bootstrap.py refuses a rollout.max_prompt_len under it), and a tight one: two one-digit
+    # numbers and a one-digit target are among 300 draws from [1, 20].
+    assert shortest <= min(lengths) <= shortest + 2
