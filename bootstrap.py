@@ -19,39 +19,10 @@ from pathlib import Path
 
 import checkpoint
 import config as config_lib
-import hub
 import inputs
 from config import BootstrapConfig, MissingInputError, ModelSetup, TaskConfig  # noqa: F401 (MissingInputError: bootstrap's error)
 
 logger = logging.getLogger("bootstrap")
-
-
-def _same(path: str | None, other: str) -> bool:
-    return path is not None and Path(path).resolve() == Path(other).resolve()
-
-
-def builds_data(config: BootstrapConfig, task: TaskConfig) -> bool:
-    return bool(config.dataset_args) and task.name == "countdown" and _same(config.data_dir, task.data_dir)
-
-
-def builds_model(config: BootstrapConfig, model_dir: str) -> bool:
-    return bool(config.sft_config) and _same(config.model_dir, model_dir)
-
-
-def check_inputs(config: BootstrapConfig, task: TaskConfig | None, model: ModelSetup | None, *,
-                 splits: tuple[str, ...] = ("train", "test"), with_solutions: bool = False) -> None:
-    """Replace a Hub id in task.data_dir or model.dir by its snapshot in the Hub cache, fetched if need be, then
-    check the data (`splits` of `task`) and the model directory a run reads, before torch loads (None: that input
-    is not needed); a missing one the bootstrap does not build stops with the command that makes it."""
-    if task is not None and not builds_data(config, task):
-        task.data_dir = hub.local_dir(task.data_dir, repo_type="dataset", key="task.data_dir", files=[
-            inputs.COUNTDOWN_HUB_FILES if task.name == "countdown" else inputs.GSM8K_HUB_FILES])
-    if task is not None and (Path(task.data_dir).exists() or not builds_data(config, task)):
-        inputs.check_data(task, splits, with_solutions)
-    if model is not None and not builds_model(config, model.dir):
-        model.dir = hub.local_dir(model.dir, repo_type="model", key="model.dir", files=hub.MODEL_FILES)
-    if model is not None and (Path(model.dir).exists() or not builds_model(config, model.dir)):
-        inputs.check_model_dir(Path(model.dir))
 
 
 def prepare_missing_inputs(config: BootstrapConfig, task: TaskConfig, model: ModelSetup | None,
@@ -60,7 +31,7 @@ def prepare_missing_inputs(config: BootstrapConfig, task: TaskConfig, model: Mod
     named by the bootstrap section; `model` None: no model needed (resuming from a checkpoint).
     max_prompt_len (rollout.max_prompt_len) is checked against the base model's tokenizer before any data
     is generated or the warm-up runs, so a prompt limit nothing fits costs a second, not the warm-up."""
-    check_inputs(config, task, model)
+    inputs.check_model_and_data(task, model, bootstrap=config)
     import countdown_task
     import tiny_model
     from train_sft import SFTConfig, train_sft
@@ -74,7 +45,7 @@ def prepare_missing_inputs(config: BootstrapConfig, task: TaskConfig, model: Mod
             logger.info("building the base model %s", sft_config.model.dir)
             tiny_model.main(["--out", sft_config.model.dir, *shlex.split(config.base_model_args)])
         with _removed_on_error(Path(sft_config.model.dir)) if builds_base else contextlib.nullcontext():
-            check_inputs(BootstrapConfig(), None, sft_config.model)  # a base model given by Hub id: fetched
+            inputs.check_model_and_data(None, sft_config.model)  # a base model given by Hub id: fetched
             _check_shortest_prompt(config, task, Path(sft_config.model.dir), max_prompt_len)
     if not Path(task.data_dir).exists():
         logger.info("generating the CountDown dataset %s", task.data_dir)
@@ -91,7 +62,7 @@ def prepare_missing_inputs(config: BootstrapConfig, task: TaskConfig, model: Mod
 def _check_shortest_prompt(config: BootstrapConfig, task: TaskConfig, tokenizer_dir: Path,
                            max_prompt_len: int | None) -> None:
     """Refuse a rollout.max_prompt_len that even the shortest prompt the bootstrap's dataset can hold exceeds."""
-    if max_prompt_len is None or not builds_data(config, task) or Path(task.data_dir).exists():
+    if max_prompt_len is None or not config.builds_data(task) or Path(task.data_dir).exists():
         return  # existing data: train.py checks its first prompts as it loads them, in a second
     import countdown_task
     from tokenizer import Tokenizer

@@ -349,6 +349,18 @@ class BootstrapConfig:
         check(not self.sft_config or self.model_dir, "model_dir", "must name the directory that "
               "sft_config trains", self.model_dir)
 
+    def builds_data(self, task: "TaskConfig") -> bool:
+        """Whether this bootstrap generates task.data_dir when it is missing (CountDown only)."""
+        return bool(self.dataset_args) and task.name == "countdown" and _same_path(self.data_dir, task.data_dir)
+
+    def builds_model(self, model_dir: str) -> bool:
+        """Whether this bootstrap trains `model_dir` by SFT when it is missing."""
+        return bool(self.sft_config) and _same_path(self.model_dir, model_dir)
+
+
+def _same_path(path: str | None, other: str) -> bool:
+    return path is not None and Path(path).resolve() == Path(other).resolve()
+
 
 @dataclass
 class DistributedConfig:

@@ -19,12 +19,11 @@ import json
 import logging
 from pathlib import Path
 
-import bootstrap
 import checkpoint
 import config as config_lib
 import hub
 import inputs
-from config import BootstrapConfig, EvalConfig, EvaluateConfig, MissingInputError, RolloutConfig
+from config import EvalConfig, EvaluateConfig, MissingInputError, RolloutConfig
 
 logger = logging.getLogger("evaluate")
 
@@ -116,7 +115,7 @@ def read_command_line(argv: list[str] | None = None) -> tuple[argparse.Namespace
     """The arguments and the validated config, after checking the model, the data and --out before torch loads."""
     args = parse_args(argv)
     config = load_config(args)
-    bootstrap.check_inputs(BootstrapConfig(), config.task, config.model, splits=(args.split,))  # Hub ids fetched
+    inputs.check_model_and_data(config.task, config.model, splits=(args.split,))  # Hub ids fetched
     return args, config
 
 

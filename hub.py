@@ -6,7 +6,7 @@
    one '/') is a Hub id: huggingface_hub downloads the files our loaders read, with its progress
    bar, into its standard cache ($HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub),
    and the key becomes that snapshot directory;
-3. anything else is a missing local directory, reported as such (bootstrap.check_inputs).
+3. anything else is a missing local directory, reported as such (inputs.check_model_and_data).
 So `Qwen/Qwen2.5-3B-Instruct` is fetched unless ./Qwen/Qwen2.5-3B-Instruct exists, while `./x/y`,
 absolute paths and paths with two or more '/' are always local. With HF_HUB_OFFLINE=1 (or no network)
 only the cache is read; offline users can also point the key at a local copy of the repository.

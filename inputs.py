@@ -6,7 +6,7 @@ check_command_line in config.py): a wrong path, a model directory without its co
 data directory or a read-only log directory is answered in about a second, with one line, and before
 any file is created. Loading (qwen2_model, tokenizer, the task modules) calls the same functions, so a
 file is judged the same way before and after torch loads. Nothing here imports more than the standard
-library (pyarrow only inside read_parquet, which reads the rows).
+library and hub.py (which fetches a Hub id; pyarrow only inside read_parquet, which reads the rows).
 """
 
 import contextlib
@@ -14,7 +14,8 @@ import json
 import os
 from pathlib import Path
 
-from config import ConfigError, DataError, InputError, MissingInputError, TaskConfig
+import hub
+from config import BootstrapConfig, ConfigError, DataError, InputError, MissingInputError, ModelSetup, TaskConfig
 
 # ----------------------------------------------------------------------------- model directory
 
@@ -169,6 +170,26 @@ def read_parquet(path: Path):
     except (OSError, pa.ArrowException) as error:
         raise DataError(f"{path} cannot be read ({error}): the file is damaged; download, copy or generate it "
                         "again") from None
+
+
+# ----------------------------------------------------------------------------- what a run reads
+
+
+def check_model_and_data(task: TaskConfig | None, model: ModelSetup | None, *, bootstrap: BootstrapConfig | None = None,
+                         splits: tuple[str, ...] = ("train", "test"), with_solutions: bool = False) -> None:
+    """Replace a Hub id in task.data_dir or model.dir by its snapshot in the Hub cache, fetched if need be, then
+    check the data (`splits` of `task`) and the model directory a run reads, before torch loads (None: that input
+    is not needed); a missing one that `bootstrap` does not build stops with the command that makes it."""
+    bootstrap = bootstrap or BootstrapConfig()
+    if task is not None and not bootstrap.builds_data(task):
+        task.data_dir = hub.local_dir(task.data_dir, repo_type="dataset", key="task.data_dir", files=[
+            COUNTDOWN_HUB_FILES if task.name == "countdown" else GSM8K_HUB_FILES])
+    if task is not None and (Path(task.data_dir).exists() or not bootstrap.builds_data(task)):
+        check_data(task, splits, with_solutions)
+    if model is not None and not bootstrap.builds_model(model.dir):
+        model.dir = hub.local_dir(model.dir, repo_type="model", key="model.dir", files=hub.MODEL_FILES)
+    if model is not None and (Path(model.dir).exists() or not bootstrap.builds_model(model.dir)):
+        check_model_dir(Path(model.dir))
 
 
 # ----------------------------------------------------------------------------- what a run writes

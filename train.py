@@ -51,7 +51,7 @@ def read_command_line(argv: list[str] | None = None) -> tuple[argparse.Namespace
 def check_inputs(config: TrainConfig, checkpoint_dir: Path | None) -> None:
     """Model, data, the directories the run writes and the lengths the model allows, checked before torch loads:
     a mistake is answered at once and creates nothing. (What the bootstrap builds is checked as it loads.)"""
-    bootstrap.check_inputs(config.bootstrap, config.task, None if checkpoint_dir else config.model)
+    inputs.check_model_and_data(config.task, None if checkpoint_dir else config.model, bootstrap=config.bootstrap)
     model_dir = Path(checkpoint_dir or config.model.dir)  # resuming, the checkpoint is the model
     hf_config = inputs.read_hf_config(model_dir) if model_dir.is_dir() else {}  # not yet built: checked as it loads
     if "max_position_embeddings" in hf_config:
@@ -229,7 +229,8 @@ def start_run(config: TrainConfig, resume: str | None, overwrite: bool) -> tuple
     checkpoint_dir = checkpoint.find(resume) if resume else None
     name_run(config, resume)
     base_model = None if checkpoint_dir else config.model  # resuming, the checkpoint is the model
-    bootstrap.check_inputs(config.bootstrap, config.task, base_model)  # before the run directory exists; Hub ids fetched
+    # Before the run directory exists; Hub ids fetched.
+    inputs.check_model_and_data(config.task, base_model, bootstrap=config.bootstrap)
     run_claim = None
     if distributed.is_main_process():
         run_claim = checkpoint.claim_run(Path(config.checkpoint.dir) / config.run_name,

@@ -22,11 +22,10 @@ import math
 import time
 from pathlib import Path
 
-import bootstrap
 import checkpoint
 import config as config_lib
 import inputs
-from config import BootstrapConfig, SFTConfig, SFTOptimConfig
+from config import SFTConfig, SFTOptimConfig
 
 # ----------------------------------------------------------------------------- command line
 # Read and validated before the imports below load torch (seconds): --help and a config error answer at once.
@@ -63,8 +62,8 @@ def check_inputs(config: SFTConfig, resuming: bool = False) -> None:
     # the evaluations may answer the task's questions. Hub ids are fetched here.
     splits = (() if config.data.train_jsonl else ("train",)) + (
         ("test",) if answers_task_questions(config) and (config.data.train_jsonl or config.data.eval_jsonl) else ())
-    bootstrap.check_inputs(BootstrapConfig(), config.task if splits else None, None if resuming else config.model,
-                           splits=splits, with_solutions=not config.data.train_jsonl)
+    inputs.check_model_and_data(config.task if splits else None, None if resuming else config.model, splits=splits,
+                                with_solutions=not config.data.train_jsonl)
     for key in ("train_jsonl", "eval_jsonl"):
         if getattr(config.data, key):
             with inputs.named(f"data.{key}"):
