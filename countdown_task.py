@@ -25,7 +25,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-from config import DataError
+from answer_format import WHITESPACE, extract_answer_text, format_reward
+from config import DataError, TaskConfig
 from inputs import COUNTDOWN_HUB_ID, countdown_files, read_parquet
 from run_logging import log_to_console, progress_bar
 
@@ -48,13 +49,10 @@ USER_TEMPLATE = f"{QUESTION} {INSTRUCTIONS}"
 QUESTION_LAST_TEMPLATE = f"{INSTRUCTIONS} {QUESTION}"
 RESPONSE_PREFILL = "Let me solve this step by step.\n<think>"
 
-FORMAT_REWARD = 0.1
 ANSWER_REWARD = 1.0
 # Real answers are ~30 characters; the limit bounds the parser's work (and the size of
 # every literal, far below Python's 4300-digit int conversion limit) for any input.
 MAX_ANSWER_CHARS = 256
-# ASCII only: str.isspace() and \s would also accept Unicode spaces.
-WHITESPACE = string.whitespace
 EXPRESSION_CHARS = frozenset(string.digits + "+-*/()" + WHITESPACE)
 EXPRESSION_TOKEN = re.compile(r"[0-9]+|[-+*/()]")
 
@@ -107,6 +105,15 @@ def checked_table(file: Path) -> pa.Table:
 def task_key(numbers: list[int], target: int) -> tuple[tuple[int, ...], int]:
     """What makes two CountDown rows the same question: the multiset of numbers and the target."""
     return tuple(sorted(numbers)), target
+
+
+# The SFT warm-up that teaches a model the answer format before GRPO (see train.py's warn_no_reward).
+SFT_CONFIG = "configs/countdown_sft.yaml"
+
+
+def load_dataset(config: TaskConfig, tokenizer, split: str) -> "CountdownDataset":
+    """The task interface's dataset (tasks.py)."""
+    return CountdownDataset(config.data_dir, tokenizer, split, config.test_size, config.question_last)
 
 
 class CountdownDataset(torch.utils.data.Dataset):
@@ -247,29 +254,6 @@ def sft_response(item: dict) -> str:
     return f" {', '.join(steps)} </think>\n<answer> {item['solution']} </answer>"
 
 
-def format_reward(response: str) -> float:
-    """FORMAT_REWARD when "<think>" + response is <think>...</think> <answer>...</answer> with
-    each tag exactly once, only ASCII whitespace between </think> and <answer> and after </answer>."""
-    text = "<think>" + response
-    tags = ("<think>", "</think>", "<answer>", "</answer>")
-    if any(text.count(tag) != 1 for tag in tags):
-        return 0.0
-    think_end, answer_start, answer_end = (text.index(tag) for tag in tags[1:])
-    if not think_end < answer_start < answer_end:
-        return 0.0
-    between = text[think_end + len("</think>") : answer_start]
-    after = text[answer_end + len("</answer>") :]
-    return FORMAT_REWARD if not between.strip(WHITESPACE) and not after.strip(WHITESPACE) else 0.0
-
-
-def extract_answer_text(response: str) -> str | None:
-    """The text inside the response's only <answer>...</answer> pair, or None when there is no single pair."""
-    if response.count("<answer>") != 1 or response.count("</answer>") != 1:
-        return None
-    start, end = response.index("<answer>") + len("<answer>"), response.index("</answer>")
-    return response[start:end] if start <= end else None
-
-
 def answer_reward(response: str, numbers: list[int], target: int) -> float:
     """ANSWER_REWARD when the only <answer>...</answer> holds an expression that uses exactly
     `numbers` (as a multiset) and whose exact value is `target`."""
@@ -281,7 +265,7 @@ def answer_reward(response: str, numbers: list[int], target: int) -> float:
     return ANSWER_REWARD if Counter(literals) == Counter(numbers) and value == target else 0.0
 
 
-def reward_function(response: str, numbers: list[int], target: int, end_token: str | None = None) -> dict:
+def grade(response: str, numbers: list[int], target: int, end_token: str | None = None) -> dict:
     """Total reward of a response (the text generated after RESPONSE_PREFILL)."""
     if end_token and response.endswith(end_token):
         response = response[: -len(end_token)]
@@ -293,9 +277,9 @@ def reward_function(response: str, numbers: list[int], target: int, end_token: s
     }
 
 
-def reward_for_item(response: str, item: dict, end_token: str | None) -> dict:
-    """The training loop's task-independent entry point: reward of a response to a dataset item."""
-    return reward_function(response, item["nums"], item["target"], end_token)
+def reward(response: str, item: dict, end_token: str | None = None) -> dict:
+    """The task interface's reward (tasks.py): of a response to a dataset item."""
+    return grade(response, item["nums"], item["target"], end_token)
 
 
 # ----------------------------------------------------------------------------- solver and generator

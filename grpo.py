@@ -23,14 +23,14 @@ from logprobs import AnswerBatch, answer_batch, answer_log_probs
 from run_logging import progress_bar
 
 logger = logging.getLogger(__name__)
-RewardForItem = Callable[[str, dict, str | None], dict]
+Reward = Callable[[str, dict, str | None], dict]
 
 
 def rollout(
     model,
     tokenizer,
     batch: QuestionBatch,
-    reward_for_item: RewardForItem,
+    reward: Reward,
     config: RolloutConfig,
     generator: torch.Generator | None = None,
     progress: bool = False,
@@ -52,7 +52,7 @@ def rollout(
     for index, completion in enumerate(completions):
         question_index = index // config.num_answers_per_question
         text = tokenizer.decode(completion.token_ids)
-        score = reward_for_item(text, batch.items[question_index], tokenizer.eos_token)
+        score = reward(text, batch.items[question_index], tokenizer.eos_token)
         episodes.append(
             Episode(
                 question_index=question_index,

@@ -18,14 +18,12 @@ import torch
 from sympy import Rational, integer_nthroot
 
 import hub
-from config import ConfigError, DataError, InputError, exit_on_input_error
-from countdown_task import extract_answer_text, format_reward
+from answer_format import THINK_PREFILL, extract_answer_text, format_reward, format_reward_without_prefill
+from config import ConfigError, DataError, InputError, TaskConfig, exit_on_input_error
 from inputs import GSM8K_DOWNLOAD_HINT, GSM8K_HUB_FILES, gsm8k_files, read_parquet
 from run_logging import log_to_console, progress_bar
 
 PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
-THINK_PREFILL = "<think>"
-FORMAT_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 GOLD_ANSWER_MARKER = "####"
 CALCULATOR_ANNOTATION = re.compile(r"<<[^<>]*>>")  # GSM8K's "<<48/2=24>>" calculator calls
 
@@ -132,6 +130,15 @@ def make_example(row: dict[str, str], template: str) -> dict:
         "prompt": render_prompt(template, row["question"]),
         "prompt_ends_with_think": prompt_ends_inside_think(template),
     }
+
+
+# The SFT warm-up on the worked solutions (the GSM8K design document's; see train.py's warn_no_reward).
+SFT_CONFIG = "configs/gsm8k_sft.yaml"
+
+
+def load_dataset(config: TaskConfig, tokenizer, split: str) -> "GSM8KDataset":
+    """The task interface's dataset (tasks.py)."""
+    return GSM8KDataset(config.data_dir, tokenizer, split, config.prompt_template)
 
 
 class GSM8KDataset(torch.utils.data.Dataset):
@@ -724,15 +731,7 @@ def _divide(numerator: Rational, denominator: Rational) -> Rational:
 # reward
 
 
-def format_reward_without_prefill(text: str) -> float:
-    """The CountDown format rule for a whole text that must open its own <think>."""
-    before_think, think, after_think = text.partition(THINK_PREFILL)
-    if not think or any(tag in before_think for tag in FORMAT_TAGS):
-        return 0.0  # a tag before the first <think> is out of order or repeated
-    return format_reward(after_think)
-
-
-def reward_function(
+def grade(
     response: str, gold_answer: str, end_token: str | None = None, prompt_ends_with_think: bool = True
 ) -> dict:
     """Format reward (0.1) plus answer reward (1.0 when <answer> equals gold_answer); never raises."""
@@ -747,9 +746,9 @@ def reward_function(
     }
 
 
-def reward_for_item(response: str, item: dict, end_token: str | None = None) -> dict:
-    """Reward for a response to a dataset item; the training loop's entry point."""
-    return reward_function(response, item["answer"], end_token, item["prompt_ends_with_think"])
+def reward(response: str, item: dict, end_token: str | None = None) -> dict:
+    """The task interface's reward (tasks.py): of a response to a dataset item."""
+    return grade(response, item["answer"], end_token, item["prompt_ends_with_think"])
 
 
 # ----------------------------------------------------------------------------

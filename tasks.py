@@ -1,10 +1,16 @@
-"""The tasks train.py, train_sft.py and evaluate.py can run, behind one small interface.
+"""The tasks train.py, train_sft.py and evaluate.py can run: one table, looked up by task.name.
 
-A task gives a dataset whose items carry `prompt` and `prompt_token_ids`, and a reward function
-`reward_for_item(response, item, end_token) -> {"reward", "reward_info": {"format_reward", "answer_reward"}}`.
+Every task module exposes the same small interface:
+    load_dataset(config: TaskConfig, tokenizer, split) -> a dataset whose items carry `prompt` (the rendered
+        prompt) and `prompt_token_ids`, and whose `example(index)` is the item without the token ids
+    reward(response, item, end_token) -> {"reward", "reward_info": {"format_reward", "answer_reward"}}
+    sft_response(item) -> the reference response SFT learns for an item that has a solution
+    SFT_CONFIG: the train_sft.py config of the task's warm-up
+Success and format are read from reward_info the same way for every task (is_success, is_well_formatted).
 """
 
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -14,20 +20,19 @@ import gsm8k_task
 from config import TaskConfig
 from inputs import countdown_data_hint
 
+TASKS: dict[str, ModuleType] = {"countdown": countdown_task, "gsm8k": gsm8k_task}
+
+
+def get(config: TaskConfig) -> ModuleType:
+    """The module of task.name (config.py allows only the names in TASKS)."""
+    return TASKS[config.name]
+
 
 def load_dataset(config: TaskConfig, tokenizer, split: str) -> torch.utils.data.Dataset:
-    if config.name == "countdown":
-        dataset = countdown_task.CountdownDataset(config.data_dir, tokenizer, split, config.test_size,
-                                                  config.question_last)
-    else:
-        dataset = gsm8k_task.GSM8KDataset(config.data_dir, tokenizer, split, config.prompt_template)
+    dataset = get(config).load_dataset(config, tokenizer, split)
     if len(dataset) == 0:
         raise config_lib.DataError(f"{config.data_dir}: the {config.name} {split} split is empty")
     return dataset
-
-
-def reward_function(config: TaskConfig):
-    return countdown_task.reward_for_item if config.name == "countdown" else gsm8k_task.reward_for_item
 
 
 def is_success(reward_info: dict[str, float]) -> bool:
@@ -42,10 +47,9 @@ def is_well_formatted(reward_info: dict[str, float]) -> bool:
 def sft_pairs(config: TaskConfig, tokenizer) -> list[dict[str, str]]:
     """{"prompt", "response"} pairs from the task's training split and its reference solutions (as text:
     train_sft tokenizes them all at once)."""
-    task_module = countdown_task if config.name == "countdown" else gsm8k_task
     dataset = load_dataset(config, tokenizer, "train")
     if "solution" not in dataset.example(0):  # CountDown data from the Hub, or generated without --with-solutions
         raise config_lib.DataError(f"task.data_dir: {config.data_dir} holds no reference solutions (no `solution` "
                                    f"column). {countdown_data_hint(Path(config.data_dir), with_solutions=True)}")
     items = map(dataset.example, range(len(dataset)))
-    return [{"prompt": item["prompt"], "response": task_module.sft_response(item)} for item in items]
+    return [{"prompt": item["prompt"], "response": get(config).sft_response(item)} for item in items]

@@ -152,7 +152,7 @@ def train(config: TrainConfig, resume: str | None = None, overwrite: bool = Fals
         tokenizer = Tokenizer(model_dir)
         train_set, test_set = (tasks.load_dataset(config.task, tokenizer, split) for split in ("train", "test"))
         check_prompts_fit(train_set, config.rollout.max_prompt_len)
-        reward_for_item = tasks.reward_function(config.task)
+        reward = tasks.get(config.task).reward
         model, policy = load_policy(config.model, model_dir, device, config.distributed.fsdp)
         config.validate_for_model(model.config.max_position_embeddings)
         reference_model = None
@@ -167,7 +167,7 @@ def train(config: TrainConfig, resume: str | None = None, overwrite: bool = Fals
     logger.info("run %s on %s: %d train / %d test questions, logs in %s", config.run_name, device, len(train_set),
                 len(test_set), Path(config.logging.log_dir) / config.run_name)
 
-    evaluation = functools.partial(run_evaluation, model, tokenizer, test_set, reward_for_item,
+    evaluation = functools.partial(run_evaluation, model, tokenizer, test_set, reward,
                                    config.eval.max_gen_len or config.rollout.max_gen_len, config.eval, config.seed,
                                    run_logger, progress=progress)
     eval_metrics = evaluation(step=0) if config.eval.interval and start_step == 0 else {}
@@ -179,7 +179,7 @@ def train(config: TrainConfig, resume: str | None = None, overwrite: bool = Fals
         for step in steps:
             def sample_round(round_index: int) -> list[Episode]:  # the rollout of one round of the step's questions
                 batch = question_batch(train_set, step, config, round_index)
-                return rollout(model, tokenizer, batch, reward_for_item, config.rollout, generator, progress)
+                return rollout(model, tokenizer, batch, reward, config.rollout, generator, progress)
 
             rollout_start = time.perf_counter()
             model.eval()
@@ -354,10 +354,6 @@ def log_step(run_logger, step: int, episodes: list[Episode], update: dict, rollo
     return no_reward
 
 
-# The SFT warm-up's config for each task (its data and prompts); see warn_no_reward.
-SFT_CONFIGS = {"countdown": "config_cpu_sft.yaml", "gsm8k": "configs/gsm8k_sft.yaml"}
-
-
 def warn_no_reward(config: TrainConfig, steps: int) -> None:
     if not distributed.is_main_process():
         return
@@ -369,7 +365,7 @@ def warn_no_reward(config: TrainConfig, steps: int) -> None:
         "    uv run train_sft.py --config %s --set model.dir=%s --set task.data_dir=%s --set output_dir=%s-sft\n"
         "(a pretrained model wants a small rate, e.g. --set optim.learning_rate=1e-5), then train from it with "
         "--set model.dir=%s-sft. optim.warn_after_zero_reward_steps sets when this warning appears (0: never).",
-        steps, config.model.dir, config.task.name, SFT_CONFIGS[config.task.name], config.model.dir,
+        steps, config.model.dir, config.task.name, tasks.get(config.task).SFT_CONFIG, config.model.dir,
         config.task.data_dir, config.model.dir, config.model.dir)
 
 

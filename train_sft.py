@@ -214,7 +214,7 @@ def evaluate_sft(model, tokenizer, eval_examples, eval_set, config: SFTConfig, r
         run_logger.scalars(metrics, step)
     logger.info("eval step %d: held-out loss %.4g", step, metrics["eval/loss"])
     if config.eval.max_questions != 0:
-        task_metrics = run_evaluation(model, tokenizer, eval_set, tasks.reward_function(config.task),
+        task_metrics = run_evaluation(model, tokenizer, eval_set, tasks.get(config.task).reward,
                                       config.eval.max_gen_len or config.data.max_seq_len, config.eval, config.seed,
                                       run_logger, step, progress=config.progress and distributed.is_main_process())
         metrics.update({f"eval/{key}": value for key, value in task_metrics.items()})

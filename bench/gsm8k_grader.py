@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also run as a file: uv run bench/gsm8k_grader.py
 
 from config import InputError
-from gsm8k_task import MAX_ANSWER_CHARS, answers_match, extract_gold_answer, load_gsm8k_rows, reward_function
+from gsm8k_task import MAX_ANSWER_CHARS, answers_match, extract_gold_answer, grade, load_gsm8k_rows
 from tests.fixtures.gsm8k import answer_corpus
 from tests.fixtures.gsm8k.answer_corpus import build_corpus, build_family_corpus, math_verify_grade, read_rows
 
@@ -91,7 +91,7 @@ def time_gold_answers(golds: list[str], answer_form) -> dict:
     for gold in golds:
         response = response_with(answer_form(int(gold)))
         start = time.perf_counter()
-        rewards.append(reward_function(response, gold, END)["reward"])
+        rewards.append(grade(response, gold, END)["reward"])
         durations.append(time.perf_counter() - start)
     return summarize(durations, rewards)
 
@@ -101,7 +101,7 @@ def time_hostile(response: str, seconds: float) -> dict:
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline or len(durations) < 5:
         start = time.perf_counter()
-        rewards.append(reward_function(response, GOLD, END)["reward"])
+        rewards.append(grade(response, GOLD, END)["reward"])
         durations.append(time.perf_counter() - start)
     return {"chars": len(response), **summarize(durations, rewards)}
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also run as a file: uv run bench/reward_throughput.py
 
-from countdown_task import MAX_ANSWER_CHARS, reward_function
+from countdown_task import MAX_ANSWER_CHARS, grade
 
 END = "<|im_end|>"
 NUMBERS, TARGET = [44, 19, 35], 98
@@ -47,7 +47,7 @@ def time_case(response: str, seconds: float) -> dict:
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline or len(durations) < 5:
         start = time.perf_counter()
-        result = reward_function(response, NUMBERS, TARGET, END)
+        result = grade(response, NUMBERS, TARGET, END)
         durations.append(time.perf_counter() - start)
     return {
         "chars": len(response),

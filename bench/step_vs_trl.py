@@ -55,7 +55,7 @@ def bench_reward(response: str, nums: list[int], target: int) -> float:
     """
     import countdown_task
 
-    return countdown_task.reward_function(response, nums, target)["reward"] + zlib.crc32(response.encode()) % 1000 / 1e5
+    return countdown_task.grade(response, nums, target)["reward"] + zlib.crc32(response.encode()) % 1000 / 1e5
 
 
 INSTALL_HINT = "TRL is missing: it is in the bench dependency group. Run\n  uv run --group bench python -m bench.step_vs_trl"
@@ -135,7 +135,7 @@ def run_ours(workdir: Path, args, reports) -> None:
     from tokenizer import Tokenizer
     from train import make_batch
 
-    def reward_for_item(response: str, item: dict, end_token: str | None) -> dict:
+    def reward(response: str, item: dict, end_token: str | None) -> dict:
         text = response[: -len(end_token)] if end_token and response.endswith(end_token) else response
         return {"reward": bench_reward(text, item["nums"], item["target"]), "reward_info": {}}
 
@@ -154,7 +154,7 @@ def run_ours(workdir: Path, args, reports) -> None:
         clock.begin_step()
         batch = make_batch(dataset, range(step * args.questions, (step + 1) * args.questions), max_prompt_len=10**6)
         model.eval()
-        episodes = clock.time_rollout(lambda: rollout(model, tokenizer, batch, reward_for_item, sampling, generator))
+        episodes = clock.time_rollout(lambda: rollout(model, tokenizer, batch, reward, sampling, generator))
         advantages = compute_advantages(episodes, loss)
         totals = update_policy(model, optimizer_step, episodes, advantages, batch_counts(episodes, advantages), loss,
                                optim, args.max_gen_len, tokenizer.pad_token_id)

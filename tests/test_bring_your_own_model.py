@@ -102,7 +102,7 @@ def test_countdown_sft_then_grpo(tmp_path, model_dir, countdown_dir, monkeypatch
         share = sum(character.isdigit() for character in response) / max(len(response), 1)
         return {"reward": share, "reward_info": {"format_reward": 0.0, "answer_reward": float(share > 0.3)}}
 
-    monkeypatch.setattr(tasks, "reward_function", lambda task_config: digit_reward)
+    monkeypatch.setattr(countdown_task, "reward", digit_reward)
     train.main(["--config", str(REPO / "config.yaml"), *sum((["--set", s] for s in [
         f"model.dir={sft_dir}", "model.dtype=float32", "run_name=grpo", "progress=false", "device=cpu",
         f"task.data_dir={countdown_dir}",

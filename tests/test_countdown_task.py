@@ -20,11 +20,11 @@ from countdown_task import (
     CountdownDataset,
     answer_reward,
     format_reward,
+    grade,
     main,
     parse_expression,
     render_prompt,
-    reward_for_item,
-    reward_function,
+    reward,
     solve,
 )
 from tokenizer import Tokenizer
@@ -188,14 +188,14 @@ REWARD_CASES = [
 
 
 @pytest.mark.parametrize("response, end_token, expected_format, expected_answer", REWARD_CASES)
-def test_reward_function(response, end_token, expected_format, expected_answer):
-    result = reward_function(response, [44, 19, 35], 98, end_token)
+def test_grade(response, end_token, expected_format, expected_answer):
+    result = grade(response, [44, 19, 35], 98, end_token)
     assert result == {
         "reward": expected_format + expected_answer,
         "reward_info": {"format_reward": expected_format, "answer_reward": expected_answer},
     }
     item = {"nums": [44, 19, 35], "target": 98, "prompt": "unused", "prompt_token_ids": [1]}
-    assert reward_for_item(response, item, end_token) == result
+    assert reward(response, item, end_token) == result
 
 
 ADVERSARIAL_ANSWERS = [
@@ -216,13 +216,13 @@ ADVERSARIAL_ANSWERS = [
 
 @pytest.mark.parametrize("text", ADVERSARIAL_ANSWERS, ids=lambda text: f"{text[:12]!r}x{len(text)}")
 def test_adversarial_answers_score_zero_without_raising(text):
-    assert reward_function(answer(text) + END, [44, 19, 35], 98, END)["reward_info"]["answer_reward"] == 0.0
+    assert grade(answer(text) + END, [44, 19, 35], 98, END)["reward_info"]["answer_reward"] == 0.0
     assert parse_expression(text) is None
 
 
 def test_adversarial_whole_responses_score_zero():
     for response in ("</think>" * 30_000, "<think>" * 30_000, "x" * 100_000, "</answer><answer>" * 10_000):
-        assert reward_function(response, [1, 2, 3], 6, END)["reward"] == 0.0
+        assert grade(response, [1, 2, 3], 6, END)["reward"] == 0.0
 
 
 # ----------------------------------------------------------------------------- parser against Fraction arithmetic
@@ -464,7 +464,7 @@ def test_sft_response_spells_out_steps_and_scores_full_reward(tmp_path):
     table = countdown_task.read_tasks(tmp_path)
     for nums, target, solution in zip(*(table.column(name).to_pylist() for name in ("nums", "target", "solution"))):
         response = countdown_task.sft_response({"nums": nums, "target": target, "solution": solution})
-        assert countdown_task.reward_function(response, nums, target)["reward"] == pytest.approx(1.1)
+        assert countdown_task.grade(response, nums, target)["reward"] == pytest.approx(1.1)
         steps = response.split("</think>")[0].strip().split(", ")
         assert len(steps) == len(nums) - 1 and steps[-1].endswith(f"= {target}")
     assert countdown_task.sft_response({"solution": "(3 + 5) * 2"}) == (

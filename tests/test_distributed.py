@@ -21,7 +21,6 @@ sys.path.insert(0, str(REPO_ROOT))
 import config as config_lib  # noqa: E402
 import countdown_task  # noqa: E402
 import distributed  # noqa: E402
-import tasks  # noqa: E402
 import train  # noqa: E402
 import train_sft  # noqa: E402
 from data_types import Episode  # noqa: E402
@@ -100,7 +99,7 @@ def rank_updates(model_dir: str, out_file: str) -> None:
 def rank_main(model_dir: str, out_dir: str) -> None:
     """The updates, then each command line of <out_dir>/runs.txt ("train ..." or "sft ...") in turn."""
     rank_updates(model_dir, str(Path(out_dir) / "updates.pt"))
-    tasks.reward_function = lambda task_config: digit_reward
+    countdown_task.reward = digit_reward
     for line in (Path(out_dir) / "runs.txt").read_text().splitlines():
         program, *argv = shlex.split(line)
         {"train": train.main, "sft": train_sft.main}[program](argv)

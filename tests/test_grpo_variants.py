@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ablate
-import tasks
+import countdown_task
 import train
 import config as config_lib
 from config import ConfigError
@@ -627,12 +627,12 @@ def test_dynamic_sampling_draws_new_questions_until_the_cap(tmp_path, tiny_model
     """Only questions with an even target can give rewards that differ within a group: the others are replaced."""
     scored = []  # (target, reward) of every answer, in sampling order
 
-    def reward_for_item(response, item, end_token):
+    def reward(response, item, end_token):
         digits = sum(character.isdigit() for character in response) / max(len(response), 1)
         scored.append((item["target"], digits if item["target"] % 2 == 0 else 0.0))
         return {"reward": scored[-1][1], "reward_info": {"format_reward": 0.0, "answer_reward": 0.0}}
 
-    monkeypatch.setattr(tasks, "reward_function", lambda task_config: reward_for_item)
+    monkeypatch.setattr(countdown_task, "reward", reward)
     config = tiny_config(tmp_path, tiny_model_dir, countdown_dir, "rollout.dynamic_sampling=true",
                          "rollout.dynamic_sampling_max_rounds=4", "rollout.episodes_per_step=12", "optim.num_steps=1",
                          "eval.interval=0", "checkpoint.interval=0")

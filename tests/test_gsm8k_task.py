@@ -27,12 +27,12 @@ from gsm8k_task import (
     clean_solution,
     extract_answer_text,
     extract_gold_answer,
+    grade,
     load_gsm8k_rows,
     load_prompt_template,
     make_example,
     parse_answer,
-    reward_for_item,
-    reward_function,
+    reward,
 )
 from tokenizer import Tokenizer
 
@@ -332,7 +332,7 @@ def test_every_call_is_fast_on_hostile_shapes(text):
     shared machine a nice'd process is descheduled for ~100 ms at a time, which wall-clock time would count."""
     assert len(text) <= MAX_ANSWER_CHARS
     hostile, benign = (f"x</think> <answer>{answer}</answer>" for answer in (text, BENIGN[: len(text)]))
-    timings = [(_seconds(reward_function, hostile, "18"), _seconds(reward_function, benign, "18")) for _ in range(5)]
+    timings = [(_seconds(grade, hostile, "18"), _seconds(grade, benign, "18")) for _ in range(5)]
     hostile_seconds, benign_seconds = (min(column) for column in zip(*timings))
     assert hostile_seconds < max(0.05, 25 * benign_seconds)
 
@@ -555,7 +555,7 @@ SOUP = ["so", "is", "makes", "a total of", "answer", "####", "=", "because", "wh
 @example("0 0/,")  # a separator alone once passed for the second integer of a fraction
 def test_grader_never_raises(text):
     assert answers_match(text, "18") in (True, False)
-    result = reward_function(f"x</think> <answer>{text}</answer>", "18")
+    result = grade(f"x</think> <answer>{text}</answer>", "18")
     assert result["reward"] in (0.1, 1.1)
 
 
@@ -592,13 +592,13 @@ REWARDS = [
 @pytest.mark.parametrize(("response", "format_score", "answer_score"), REWARDS)
 def test_reward_after_think_prefill(response, format_score, answer_score):
     expected = {"reward": format_score + answer_score, "reward_info": {"format_reward": format_score, "answer_reward": answer_score}}
-    assert reward_function(response, "18") == expected
-    assert reward_function(response + "<|endoftext|>", "18", end_token="<|endoftext|>") == expected
+    assert grade(response, "18") == expected
+    assert grade(response + "<|endoftext|>", "18", end_token="<|endoftext|>") == expected
     # Without the prefill, the same response must open its own <think>, optionally after free text.
     for opening in ("<think>", "Let me think. <think>\n"):
-        assert reward_function(opening + response, "18", prompt_ends_with_think=False) == expected
+        assert grade(opening + response, "18", prompt_ends_with_think=False) == expected
     if "<think>" not in response:
-        assert reward_function(response, "18", prompt_ends_with_think=False)["reward_info"]["format_reward"] == 0.0
+        assert grade(response, "18", prompt_ends_with_think=False)["reward_info"]["format_reward"] == 0.0
 
 
 @pytest.mark.parametrize(
@@ -612,12 +612,12 @@ def test_extract_answer_text(response, answer_text):
 
 def test_reward_without_prefill_rejects_tags_before_think():
     response = "</think> <think> a </think> <answer> 18 </answer>"
-    assert reward_function(response, "18", prompt_ends_with_think=False)["reward_info"]["format_reward"] == 0.0
+    assert grade(response, "18", prompt_ends_with_think=False)["reward_info"]["format_reward"] == 0.0
 
 
 def test_reward_on_huge_response_is_zero():
     response = "a </think> <answer>" + "1" * 1_000_000 + "</answer>"
-    assert reward_function(response, "18") == {"reward": 0.1, "reward_info": {"format_reward": 0.1, "answer_reward": 0.0}}
+    assert grade(response, "18") == {"reward": 0.1, "reward_info": {"format_reward": 0.1, "answer_reward": 0.0}}
 
 
 # ----------------------------------------------------------------------------- SFT data
@@ -636,7 +636,7 @@ def test_sft_data_gets_full_reward_on_every_train_row(tmp_path, gsm8k_dir, templ
         head, _, tail = template[template_name].partition("{question}")
         assert line["prompt"] == head + row["question"] + tail
         item = {"answer": row["answer"].rpartition("####")[2].strip(), "prompt_ends_with_think": template_name == "reasoning"}
-        assert reward_for_item(line["response"], item) == {
+        assert reward(line["response"], item) == {
             "reward": 1.1,
             "reward_info": {"format_reward": 0.1, "answer_reward": 1.0},
         }, line["response"]

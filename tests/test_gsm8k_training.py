@@ -62,14 +62,14 @@ def test_configs_are_the_documents_setup():
 def recorded_rewards(monkeypatch) -> list[dict]:
     """Every call of the real GSM8K reward during a run, in order."""
     calls = []
-    real_reward = gsm8k_task.reward_for_item
+    real_reward = gsm8k_task.reward
 
     def recording_reward(response, item, end_token):
         score = real_reward(response, item, end_token)
         calls.append({"item": item, **score})
         return score
 
-    monkeypatch.setattr(gsm8k_task, "reward_for_item", recording_reward)
+    monkeypatch.setattr(gsm8k_task, "reward", recording_reward)
     return calls
 
 

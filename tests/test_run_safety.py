@@ -20,7 +20,6 @@ import config as config_lib
 import countdown_task
 import evaluate
 import runtime
-import tasks
 import train
 from test_train import countdown_dir, tiny_config  # noqa: F401 (fixture)
 
@@ -160,7 +159,7 @@ def test_truncated_checkpoint_files_are_named(tmp_path, tiny_model_dir):
 
 def test_resume_writes_into_the_resumed_runs_directory_and_keeps_last(tmp_path, tiny_model_dir, countdown_dir,
                                                                       monkeypatch):
-    monkeypatch.setattr(tasks, "reward_function", lambda config: lambda response, item, end: {
+    monkeypatch.setattr(countdown_task, "reward", lambda response, item, end: {
         "reward": float(len(response) % 2), "reward_info": {"format_reward": 0.0, "answer_reward": 0.0}})
     config = tiny_config(tmp_path, tiny_model_dir, countdown_dir, "optim.num_steps=2", "checkpoint.interval=1",
                          "eval.interval=0")

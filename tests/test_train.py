@@ -12,7 +12,6 @@ from transformers import AutoModelForCausalLM
 
 import config as config_lib
 import countdown_task
-import tasks
 import train
 from qwen2_model import Transformer
 
@@ -37,11 +36,11 @@ def countdown_dir(tmp_path_factory):
 def digit_reward(monkeypatch):
     """A random tiny model never solves CountDown (all rewards 0, so no gradient); reward digits instead."""
 
-    def reward_for_item(response, item, end_token):
+    def reward(response, item, end_token):
         digits = sum(character.isdigit() for character in response) / max(len(response), 1)
         return {"reward": digits, "reward_info": {"format_reward": 0.0, "answer_reward": float(digits > 0.3)}}
 
-    monkeypatch.setattr(tasks, "reward_function", lambda task_config: reward_for_item)
+    monkeypatch.setattr(countdown_task, "reward", reward)
 
 
 def tiny_config(tmp_path, model_dir, data_dir, *overrides) -> train.TrainConfig:
@@ -189,7 +188,7 @@ def test_console_shows_the_formatted_fraction_as_evaluate_does(tmp_path, tiny_mo
                                                                caplog):
     """Every answer formatted, none right: the console's format is 1.000 (a fraction, as eval/format_rate), while
     reward/format stays the mean format reward, 0.1."""
-    monkeypatch.setattr(tasks, "reward_function", lambda task_config: lambda response, item, end_token: {
+    monkeypatch.setattr(countdown_task, "reward", lambda response, item, end_token: {
         "reward": 0.1, "reward_info": {"format_reward": 0.1, "answer_reward": 0.0}})
     with caplog.at_level(logging.INFO):
         train.train(tiny_config(tmp_path, tiny_model_dir, countdown_dir, "optim.num_steps=1", "eval.interval=1"))
@@ -205,7 +204,7 @@ def test_console_shows_the_formatted_fraction_as_evaluate_does(tmp_path, tiny_mo
 STOPPED_RUN = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-import tasks, train
+import countdown_task, train
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if this test runs in the background
 calls = 0
 
@@ -216,7 +215,7 @@ def parity_reward(response, item, end_token):  # as parity_reward below; SIGINT 
         os.kill(os.getpid(), signal.SIGINT)
     return {{"reward": float(len(response) % 2), "reward_info": {{"format_reward": 0.0, "answer_reward": 0.0}}}}
 
-tasks.reward_function = lambda task_config: parity_reward
+countdown_task.reward = parity_reward
 train.main(sys.argv[1:])
 """
 
@@ -229,7 +228,7 @@ def parity_reward(response, item, end_token):
 @pytest.mark.slow
 def test_ctrl_c_ends_the_step_saves_it_and_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_dir,
                                                                                countdown_dir, monkeypatch):
-    monkeypatch.setattr(tasks, "reward_function", lambda task_config: parity_reward)
+    monkeypatch.setattr(countdown_task, "reward", parity_reward)
     overrides = ["optim.num_steps=4", "eval.interval=0", "checkpoint.interval=0", "cpu_threads=1"]
     config_path = tmp_path / "cut.yaml"
     config_lib.dump(tiny_config(tmp_path / "cut", tiny_model_dir, countdown_dir, *overrides), config_path)

@@ -225,3 +225,10 @@ def test_a_section_given_in_part_keeps_the_sft_defaults_and_checkpoint_keys_are_
                               ("checkpoint.keep_last=0", "checkpoint.keep_last: must be >= 1, got 0")]:
         with pytest.raises(config_lib.ConfigError, match=message):
             config_lib.load(train_sft.SFTConfig, None, [override])
+
+
+@pytest.mark.parametrize("name", sorted(tasks.TASKS))
+def test_every_task_points_to_a_warm_up_config_for_itself(name):
+    """train.py's no-reward warning tells users to run this config: it must exist and train the same task."""
+    sft = config_lib.load(train_sft.SFTConfig, REPO_ROOT / tasks.TASKS[name].SFT_CONFIG)
+    assert sft.task.name == name

@@ -18,8 +18,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import countdown_task  # noqa: E402
 import distributed  # noqa: E402
-import tasks  # noqa: E402
 import train  # noqa: E402
 from config import OptimConfig  # noqa: E402
 from grpo import LossConfig, compute_advantages, update_policy  # noqa: E402
@@ -59,7 +59,7 @@ def rank_main(model_dir: str, out_dir: str) -> None:
     if distributed.is_main_process():
         torch.save(({name: p.detach().clone() for name, p in model.named_parameters()}, metrics),
                    Path(out_dir) / "update.pt")
-    tasks.reward_function = lambda task_config: digit_reward
+    countdown_task.reward = digit_reward
     for line in (Path(out_dir) / "runs.txt").read_text().splitlines():
         train.main(shlex.split(line))
 
