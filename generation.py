@@ -164,7 +164,7 @@ def keep_rows_in_place(kv_cache: KVCache, rows: torch.Tensor, filled: int | None
     return KVCache(keys, values)
 
 
-def check_arguments(prompts, num_samples_per_prompt, max_gen_len, temperature, top_p, stop_lengths) -> None:
+def check_arguments(prompts, *, num_samples_per_prompt, max_gen_len, temperature, top_p, stop_lengths) -> None:
     if not prompts:
         raise ValueError("prompts is empty; pass at least one tokenized prompt.")
     for index, prompt in enumerate(prompts):
@@ -189,6 +189,7 @@ def check_arguments(prompts, num_samples_per_prompt, max_gen_len, temperature, t
 def generate(
     model: Transformer,
     prompts: list[list[int]],
+    *,
     num_samples_per_prompt: int,
     max_gen_len: int,
     eos_token_id: int,
@@ -211,7 +212,8 @@ def generate(
     stop_lengths: optional per-completion length limits below max_gen_len (benchmarks plant them
     because random weights never emit eos); a row that hits its limit is not `finished`.
     """
-    check_arguments(prompts, num_samples_per_prompt, max_gen_len, temperature, top_p, stop_lengths)
+    check_arguments(prompts, num_samples_per_prompt=num_samples_per_prompt, max_gen_len=max_gen_len,
+                    temperature=temperature, top_p=top_p, stop_lengths=stop_lengths)
     device = model.embed_tokens.weight.device
     compiled = compile_decode and device.type == "cuda"
     # The last sampled token is never fed back, so it needs no cache slot.
@@ -223,8 +225,9 @@ def generate(
     if stop_lengths is not None:
         length_limits = length_limits.minimum(torch.tensor(stop_lengths, device=device))
     outputs = decode(
-        model, kv_cache, logits, positions, length_limits, eos_token_id, temperature, top_p, generator,
-        evict_finished=evict_finished and not compiled, compiled=compiled, progress=progress,
+        model, kv_cache, logits, positions, length_limits=length_limits, eos_token_id=eos_token_id,
+        temperature=temperature, top_p=top_p, generator=generator, evict_finished=evict_finished and not compiled,
+        compiled=compiled, progress=progress,
     )
     return completions_from_outputs(*(output.tolist() for output in outputs), length_limits.tolist(), eos_token_id)
 
@@ -252,6 +255,7 @@ def decode(
     kv_cache: KVCache,
     logits: torch.Tensor,
     positions: torch.Tensor,
+    *,
     length_limits: torch.Tensor,
     eos_token_id: int,
     temperature: float,

@@ -82,9 +82,9 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype) -> Transform
 def run_engine(model: Transformer, workload: Workload, args, **flags) -> None:
     generator = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(args.seed)
     completions = generate(
-        model, workload.prompts, workload.num_answers_per_question, max(workload.stop_lengths), NEVER_SAMPLED_EOS,
-        temperature=args.temperature, top_p=args.top_p, generator=generator, stop_lengths=workload.stop_lengths,
-        **flags,
+        model, workload.prompts, num_samples_per_prompt=workload.num_answers_per_question,
+        max_gen_len=max(workload.stop_lengths), eos_token_id=NEVER_SAMPLED_EOS, temperature=args.temperature,
+        top_p=args.top_p, generator=generator, stop_lengths=workload.stop_lengths, **flags,
     )
     assert [len(c.token_ids) for c in completions] == workload.stop_lengths
 

@@ -54,7 +54,8 @@ def test_prompts_sharing_their_start_match_the_naive_decoder(model, prompts, eos
     start = [11, 12, 13, 14, 15, 16]
     shared = [start + prompt for prompt in prompts] + [start + [17]]
     expected = [naive_greedy(model, prompt, 16, eos_token_id) for prompt in shared]
-    completions = generate(model, shared, 2, 16, eos_token_id, temperature=0, **flags)
+    completions = generate(model, shared, num_samples_per_prompt=2, max_gen_len=16, eos_token_id=eos_token_id,
+                           temperature=0, **flags)
     assert completions == [c for c in expected for _ in range(2)]
 
 
@@ -65,12 +66,14 @@ def test_greedy_matches_naive_decoder(model, prompts, eos_token_id, flags):
     # The data must exercise both outcomes, and a finish after the first eviction check.
     assert any(c.finished for c in expected) and not all(c.finished for c in expected)
     assert any(c.finished and len(c.token_ids) > 8 for c in expected)
-    completions = generate(model, prompts, num_samples, max_gen_len, eos_token_id, temperature=0, **flags)
+    completions = generate(model, prompts, num_samples_per_prompt=num_samples, max_gen_len=max_gen_len,
+                           eos_token_id=eos_token_id, temperature=0, **flags)
     assert completions == [c for c in expected for _ in range(num_samples)]
 
 
 def test_eos_is_kept_and_nothing_follows_it(model, prompts, eos_token_id):
-    completions = generate(model, prompts, 2, 24, eos_token_id, temperature=0)
+    completions = generate(model, prompts, num_samples_per_prompt=2, max_gen_len=24, eos_token_id=eos_token_id,
+                           temperature=0)
     for completion in completions:
         if completion.finished:
             assert completion.token_ids[-1] == eos_token_id and eos_token_id not in completion.token_ids[:-1]
@@ -80,14 +83,15 @@ def test_eos_is_kept_and_nothing_follows_it(model, prompts, eos_token_id):
 
 def test_stop_lengths_cut_rows_without_marking_them_finished(model, prompts, eos_token_id):
     stop_lengths = [2, 30, 9, 17, 1, 24, 13, 3]
-    completions = generate(model, prompts, 2, 20, eos_token_id, temperature=0, stop_lengths=stop_lengths)
+    completions = generate(model, prompts, num_samples_per_prompt=2, max_gen_len=20, eos_token_id=eos_token_id,
+                           temperature=0, stop_lengths=stop_lengths)
     for row, completion in enumerate(completions):
         reference = naive_greedy(model, prompts[row // 2], min(stop_lengths[row], 20), eos_token_id)
         assert completion == reference
 
 
 def test_one_token_generation(model, prompts):
-    completions = generate(model, prompts, 2, 1, eos_token_id=-1, temperature=0)
+    completions = generate(model, prompts, num_samples_per_prompt=2, max_gen_len=1, eos_token_id=-1, temperature=0)
     assert [c.token_ids for c in completions] == [naive_greedy(model, p, 1, -1).token_ids for p in prompts for _ in "ab"]
 
 
@@ -143,7 +147,8 @@ def test_sample_never_picks_zero_probability_tokens():
 def test_first_generated_token_follows_model_distribution(model, prompts):
     temperature, num_samples = 0.7, 8000
     generator = torch.Generator().manual_seed(2)
-    completions = generate(model, prompts[:1], num_samples, 1, -1, temperature=temperature, generator=generator)
+    completions = generate(model, prompts[:1], num_samples_per_prompt=num_samples, max_gen_len=1, eos_token_id=-1,
+                           temperature=temperature, generator=generator)
     counts = torch.bincount(torch.tensor([c.token_ids[0] for c in completions]), minlength=model.config.vocab_size)
     with torch.no_grad():
         probs = torch.softmax(model(torch.tensor(prompts[:1]))[0, -1] / temperature, -1)
@@ -155,7 +160,8 @@ def test_first_generated_token_follows_model_distribution(model, prompts):
 def test_top_p_keeps_every_token_inside_the_nucleus(model, prompts, flags):
     top_p, temperature = 0.6, 0.8
     generator = torch.Generator().manual_seed(3)
-    completions = generate(model, prompts, 4, 12, -1, temperature=temperature, top_p=top_p, generator=generator, **flags)
+    completions = generate(model, prompts, num_samples_per_prompt=4, max_gen_len=12, eos_token_id=-1,
+                           temperature=temperature, top_p=top_p, generator=generator, **flags)
     for row, completion in enumerate(completions):
         prompt = prompts[row // 4]
         with torch.no_grad():
@@ -169,7 +175,8 @@ def test_top_p_keeps_every_token_inside_the_nucleus(model, prompts, flags):
 
 @pytest.mark.parametrize("flags", FLAG_COMBINATIONS, ids=FLAG_IDS)
 def test_seeded_sampling_is_reproducible(model, prompts, flags):
-    run = lambda seed: generate(model, prompts, 3, 16, -1, generator=torch.Generator().manual_seed(seed), **flags)
+    run = lambda seed: generate(model, prompts, num_samples_per_prompt=3, max_gen_len=16, eos_token_id=-1,
+                                generator=torch.Generator().manual_seed(seed), **flags)
     assert run(5) == run(5)
     assert run(5) != run(6)
 
@@ -265,7 +272,8 @@ def test_each_token_keeps_its_own_log_prob_and_entropy_as_rows_leave_the_batch(m
     temperature, top_p, seed = 0.7, 0.9, 4
     stop_lengths = [3, 20, 9, 17, 1, 12, 20, 6]
     generator = torch.Generator().manual_seed(seed)
-    completions = generate(model, prompts, 2, 20, -1, temperature=temperature, top_p=top_p, generator=generator,
+    completions = generate(model, prompts, num_samples_per_prompt=2, max_gen_len=20, eos_token_id=-1,
+                           temperature=temperature, top_p=top_p, generator=generator,
                            stop_lengths=stop_lengths, **flags)
     for row, completion in enumerate(completions):
         prompt = prompts[row // 2]
@@ -282,7 +290,8 @@ def test_each_token_keeps_its_own_log_prob_and_entropy_as_rows_leave_the_batch(m
 
 
 def test_greedy_tokens_get_the_untempered_policys_log_probs(model, prompts):
-    completion = generate(model, prompts[:1], 1, 6, -1, temperature=0)[0]
+    completion = generate(model, prompts[:1], num_samples_per_prompt=1, max_gen_len=6, eos_token_id=-1,
+                          temperature=0)[0]
     with torch.no_grad():
         logits = model(torch.tensor([prompts[0] + completion.token_ids]))[0, len(prompts[0]) - 1 : -1].double()
     expected = torch.log_softmax(logits, -1)[torch.arange(6), completion.token_ids]
@@ -323,7 +332,7 @@ def test_sampled_tokens_for_a_seed_match_the_first_principles_sampler(model, pro
     expected = naive_sampled(model, prompts, num_samples, max_gen_len, eos_token_id, temperature, seed, stop_lengths, evict)
     assert any(c.finished for c in expected) and sum(len(c.token_ids) for c in expected) > 40
     completions = generate(
-        model, prompts, num_samples, max_gen_len, eos_token_id, temperature=temperature,
-        generator=torch.Generator().manual_seed(seed), stop_lengths=stop_lengths, **flags,
+        model, prompts, num_samples_per_prompt=num_samples, max_gen_len=max_gen_len, eos_token_id=eos_token_id,
+        temperature=temperature, generator=torch.Generator().manual_seed(seed), stop_lengths=stop_lengths, **flags,
     )
     assert completions == expected
