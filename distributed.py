@@ -116,6 +116,11 @@ def all_gather(value) -> list:
     return gathered
 
 
+def all_ranks(values: list) -> list:
+    """Every rank's `values` (lists of picklable objects), one list in rank order, on every rank."""
+    return [value for rank_values in all_gather(values) for value in rank_values]
+
+
 def is_sharded(model: torch.nn.Module) -> bool:
     if not is_initialized():
         return False

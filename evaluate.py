@@ -140,6 +140,7 @@ def evaluate(
     model,
     tokenizer,
     dataset,
+    *,
     reward,
     max_gen_len: int,
     config: EvalConfig,
@@ -164,7 +165,8 @@ def evaluate(
             question_indices = questions[start : start + config.batch_size]
             batch = QuestionBatch.of_items([dataset[i] for i in question_indices])
             # progress: the generation bar moves with every decoded token, not once per batch.
-            for episode in rollout(model, tokenizer, batch, reward, sampling, generator, progress):
+            for episode in rollout(model, tokenizer, batch, reward, config=sampling, generator=generator,
+                                   progress=progress):
                 item = batch.items[episode.question_index]
                 samples.append(
                     {
@@ -177,16 +179,17 @@ def evaluate(
                         "reward_info": episode.reward_info,
                     }
                 )
-    samples = [sample for rank_samples in distributed.all_gather(samples) for sample in rank_samples]
+    samples = distributed.all_ranks(samples)
     return summarize(samples, config.num_samples), samples
 
 
-def run_evaluation(model, tokenizer, dataset, reward, max_gen_len: int, config: EvalConfig, seed: int,
+def run_evaluation(model, tokenizer, dataset, *, reward, max_gen_len: int, config: EvalConfig, seed: int,
                    run_logger, step: int, progress: bool) -> dict[str, float]:
     """evaluate() during training, sampling from `seed`; its metrics go to TensorBoard as eval/* at
     `step` (rank 0's run_logger) and to one console line."""
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    metrics, samples = evaluate(model, tokenizer, dataset, reward, max_gen_len, config, generator, progress)
+    metrics, samples = evaluate(model, tokenizer, dataset, reward=reward, max_gen_len=max_gen_len, config=config,
+                                generator=generator, progress=progress)
     if run_logger:  # rank 0 only
         run_logger.scalars({f"eval/{key}": value for key, value in metrics.items()}, step)
         run_logger.text("eval/sample", f"{samples[0]['prompt']}{samples[0]['response']}", step)
@@ -229,8 +232,9 @@ def run(config: EvaluateConfig, split: str, out_path: Path) -> None:
     dataset = tasks.load_dataset(config.task, tokenizer, split)
     model = load_model(config.model, device)
     generator = torch.Generator(device=device).manual_seed(config.seed)
-    metrics, samples = evaluate(model, tokenizer, dataset, tasks.get(config.task).reward, config.eval.max_gen_len,
-                                config.eval, generator, progress=config.progress and distributed.is_main_process())
+    metrics, samples = evaluate(model, tokenizer, dataset, reward=tasks.get(config.task).reward,
+                                max_gen_len=config.eval.max_gen_len, config=config.eval, generator=generator,
+                                progress=config.progress and distributed.is_main_process())
     if not distributed.is_main_process():
         return
     out_path.parent.mkdir(parents=True, exist_ok=True)

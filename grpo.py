@@ -16,6 +16,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+import distributed
 from config import LossConfig, OptimConfig, RolloutConfig
 from data_types import Episode, QuestionBatch
 from generation import generate
@@ -31,6 +32,7 @@ def rollout(
     tokenizer,
     batch: QuestionBatch,
     reward: Reward,
+    *,
     config: RolloutConfig,
     generator: torch.Generator | None = None,
     progress: bool = False,
@@ -70,12 +72,25 @@ def rollout(
     return episodes
 
 
-def compute_advantages(episodes: list[Episode], config: LossConfig,
-                       batch_rewards: list[float] | None = None) -> list[float]:
+def compute_advantages(episodes: list[Episode], config: LossConfig) -> list[float]:
+    """Per-episode advantages: from each answer's group (group_advantages), then for loss.whiten_advantages
+    whitened over the batch. Under data parallel the batch-wide statistics (std_scope "batch", whitening) are
+    over every rank's episodes, so each rank's advantages are those of a single-process run."""
+    batch_rewards = None
+    if config.std_normalization and config.std_scope == "batch":
+        batch_rewards = distributed.all_ranks([e.reward for e in episodes])
+    advantages = group_advantages(episodes, config, batch_rewards)
+    if config.whiten_advantages:  # REINFORCE++
+        answers = distributed.all_ranks(list(zip(advantages, (e.num_generated_tokens for e in episodes))))
+        advantages = whiten_advantages(advantages, answers, config.advantage_eps)
+    return advantages
+
+
+def group_advantages(episodes: list[Episode], config: LossConfig,
+                     batch_rewards: list[float] | None = None) -> list[float]:
     """Per-episode advantage from its group (the answers to the same question).
 
-    std_scope "batch" divides by the std of `batch_rewards` (default: these episodes' rewards; under
-    data parallel the caller passes every rank's).
+    std_scope "batch" divides by the std of `batch_rewards` (default: these episodes' rewards).
     """
     groups = defaultdict(list)
     for index, episode in enumerate(episodes):
@@ -149,8 +164,9 @@ def high_entropy_threshold(entropies: list[float], fraction: float) -> float:
 
 
 def batch_counts(episodes: list[Episode], advantages: list[float]) -> BatchCounts:
-    """This rank's counts; a data-parallel caller sums them over ranks."""
-    return BatchCounts(len(episodes), sum(e.num_generated_tokens for e in episodes), sum(a != 0 for a in advantages))
+    """The counts over every rank's episodes (these episodes' in a single process)."""
+    counts = BatchCounts(len(episodes), sum(e.num_generated_tokens for e in episodes), sum(a != 0 for a in advantages))
+    return BatchCounts(*(int(count) for count in distributed.global_sums(counts._asdict()).values()))
 
 
 def episode_loss_weights(episodes: list[Episode], config: LossConfig, num_sequences: int, num_tokens: int,
@@ -249,28 +265,29 @@ def update_policy(
     optimizer_step,
     episodes: list[Episode],
     advantages: list[float],
-    counts: "BatchCounts",
+    *,
     config: LossConfig,
     optim: OptimConfig,
     max_gen_len: int,
     pad_token_id: int,
-    progress: bool = False,
     reference_model=None,
-    entropy_threshold: float | None = None,
+    progress: bool = False,
 ) -> dict[str, float]:
-    """`config.epochs_per_rollout` optimizer steps on these episodes; returns sums for `update_metrics`.
+    """`config.epochs_per_rollout` optimizer steps on these episodes; returns `update_metrics` of the whole
+    batch (empty when the update is skipped).
 
-    counts: the whole batch's; the loss is averaged over its sequences or tokens. Under data parallel
-    `episodes` are this rank's and the counts all ranks', so the ranks' losses add up to one loss.
+    The loss is averaged over the whole batch's sequences or tokens: under data parallel `episodes` are this
+    rank's and the counts every rank's, so the ranks' losses add up to one loss, and the metrics are every rank's.
     optimizer_step (distributed.OptimizerStep): each micro-batch's forward and backward run inside
     `optimizer_step.micro_batch(last)` (`last`: an epoch's last micro-batch); `optimizer_step()`
     then applies the accumulated gradients and returns their norm.
     With config.kl_beta > 0, `reference_model` (the frozen initial policy) adds beta x k3 KL per token.
-    With config.top_entropy_fraction, only tokens whose sampler entropy is >= `entropy_threshold` (default:
-    `high_entropy_threshold` of these episodes; under data parallel the caller passes every rank's) train.
-    When the episodes carry the sampler's log-probs (grpo.rollout's do), the first epoch also sums how far the
-    trainer's log-probs are from them (`update_metrics`: sampler_logprob_diff_mean and _max).
+    With config.top_entropy_fraction, only tokens whose sampler entropy is among the batch's (every rank's)
+    highest train (high_entropy_threshold).
+    When the episodes carry the sampler's log-probs (grpo.rollout's do), the first epoch also measures how far
+    the trainer's log-probs are from them (`update_metrics`: sampler_logprob_diff_mean and _max).
     """
+    counts = batch_counts(episodes, advantages)
     if not counts.with_advantage and not (config.kl_beta and counts.sequences):
         # Every advantage is 0 (no group has any reward spread) and no KL term: the gradient would be exactly
         # 0, so skip the forward and backward, and the optimizer step, which would still move AdamW's moments.
@@ -283,12 +300,13 @@ def update_policy(
     if (config.sampler_is_cap or config.top_entropy_fraction) and not sampled:
         raise ValueError("loss.sampler_is_cap and loss.top_entropy_fraction need the sampler's per-token log-probs "
                          "and entropies (episodes from grpo.rollout)")
-    if config.top_entropy_fraction and entropy_threshold is None:
-        entropy_threshold = high_entropy_threshold([h for e in episodes for h in e.sampler_entropies],
-                                                   config.top_entropy_fraction)
+    entropy_threshold = None
+    if config.top_entropy_fraction:
+        entropies = distributed.all_ranks([entropy for episode in episodes for entropy in episode.sampler_entropies])
+        entropy_threshold = high_entropy_threshold(entropies, config.top_entropy_fraction) if entropies else None
     weights = episode_loss_weights(episodes, config, counts.sequences, counts.tokens, max_gen_len)
     episode_sums = {"advantage_abs_sum": sum(abs(a) for a in advantages), "episodes": len(episodes)}
-    if not config.kl_beta and not torch.distributed.is_initialized():
+    if not config.kl_beta and not distributed.is_initialized():
         # An answer with advantage 0 (its group's rewards were all equal) adds exactly 0 to the loss and its
         # gradient, in every epoch: leave it out of the forward and backward. The weights, from the whole
         # batch's counts, are unchanged, so the update is too. Early in training that is most answers.
@@ -363,18 +381,21 @@ def update_policy(
     # Always the same keys, so ranks sum them alike; tokens 0 (nothing compared) leaves the metric out.
     totals |= {"sampler_diff_sum": sampler_diff_sum.item(), "sampler_diff_max": sampler_diff_max.item(),
                "sampler_diff_tokens": float(sum(e.num_generated_tokens for e in episodes)) if sampled else 0.0}
-    return {**totals, **episode_sums,
-            "ratio_max": ratio_max.item(), "grad_norm": grad_norm, "update_seconds": time.perf_counter() - start}
+    totals |= {**episode_sums, "ratio_max": ratio_max.item(), "grad_norm": grad_norm,
+               "update_seconds": time.perf_counter() - start}
+    sums = distributed.global_sums({key: totals[key] for key in UPDATE_SUMS if key in totals})  # kl_sum: with KL only
+    maxima = {key: distributed.global_max(totals[key]) for key in ("ratio_max", "sampler_diff_max")}
+    return update_metrics({**totals, **sums, **maxima})
 
 
-# What update_policy sums over micro-batches, and then what a caller sums over ranks before update_metrics.
+# What update_policy sums over micro-batches, and then over ranks before update_metrics.
 TOKEN_SUMS = ("loss", "tokens", "entropy", "clipped", "ratio_sum")
 # kl_sum: only with kl_beta > 0.
 UPDATE_SUMS = (*TOKEN_SUMS, "advantage_abs_sum", "episodes", "kl_sum", "sampler_diff_sum", "sampler_diff_tokens")
 
 
 def update_metrics(totals: dict[str, float]) -> dict[str, float]:
-    """Means of update_policy's sums (a single rank's, or every rank's added up)."""
+    """Means of update_policy's sums (every rank's added up)."""
     tokens = max(totals["tokens"], 1)
     sampler = {}
     if totals.get("sampler_diff_tokens"):  # episodes with the sampler's log-probs; over ranks, the largest max
@@ -424,6 +445,29 @@ def apply_overlong_penalty(episodes: list[Episode], max_gen_len: int, config: Lo
         shaped.append(dataclasses.replace(episode, reward=episode.reward - penalty,
                                           reward_info={**episode.reward_info, "overlong_penalty": penalty}))
     return shaped
+
+
+def sample_step(model, sample_round: Callable[[int], list[Episode]],
+                config: RolloutConfig) -> tuple[list[Episode], list[Episode], dict[str, float]]:
+    """This rank's episodes of a step: (every sampled one, the ones to train on, sampling metrics).
+
+    `sample_round(r)` samples and scores round r's questions, this rank's share of the step's; one round, or
+    with rollout.dynamic_sampling as many as it takes to find as many groups whose rewards differ.
+    """
+    num_questions = config.episodes_per_step // config.num_answers_per_question // distributed.world_size()
+    start = time.perf_counter()
+    model.eval()
+    with distributed.full_parameters(model):
+        if config.dynamic_sampling:
+            kept, episodes, rounds = sample_informative_groups(sample_round, num_questions,
+                                                               config.dynamic_sampling_max_rounds)
+        else:
+            kept = episodes = sample_round(0)
+    metrics = {"time/rollout_seconds": time.perf_counter() - start}
+    if config.dynamic_sampling:
+        metrics |= {"train/dynamic_sampling_rounds": distributed.global_max(rounds),
+                    "train/questions_sampled": distributed.global_sum(len(episodes)) / config.num_answers_per_question}
+    return episodes, kept, metrics
 
 
 def sample_informative_groups(

@@ -7,14 +7,13 @@
 import argparse
 import functools
 import logging
-import time
 from pathlib import Path
 
 import bootstrap
 import checkpoint
 import config as config_lib
 import inputs
-from config import LossConfig, TrainConfig
+from config import TrainConfig
 
 # ----------------------------------------------------------------------------- command line
 # Read and validated before the imports below load torch (seconds): --help and a config error answer at once.
@@ -69,9 +68,7 @@ import distributed
 import tasks
 from data_types import Episode, QuestionBatch
 from evaluate import run_evaluation
-from grpo import (UPDATE_SUMS, BatchCounts, apply_overlong_penalty, batch_counts, compute_advantages,
-                  high_entropy_threshold, overlong_penalty, rollout, sample_informative_groups, update_metrics,
-                  update_policy, whiten_advantages)
+from grpo import apply_overlong_penalty, compute_advantages, overlong_penalty, rollout, sample_step, update_policy
 from optimizer import new_adamw
 from run_logging import RunLogger, log_to_console, progress_bar
 from runtime import (RunStopped, StopRequest, exit_on_interrupt, load_model, load_policy, name_run,
@@ -167,40 +164,33 @@ def train(config: TrainConfig, resume: str | None = None, overwrite: bool = Fals
     logger.info("run %s on %s: %d train / %d test questions, logs in %s", config.run_name, device, len(train_set),
                 len(test_set), Path(config.logging.log_dir) / config.run_name)
 
-    evaluation = functools.partial(run_evaluation, model, tokenizer, test_set, reward,
-                                   config.eval.max_gen_len or config.rollout.max_gen_len, config.eval, config.seed,
-                                   run_logger, progress=progress)
+    evaluation = functools.partial(run_evaluation, model, tokenizer, test_set, reward=reward,
+                                   max_gen_len=config.eval.max_gen_len or config.rollout.max_gen_len, config=config.eval,
+                                   seed=config.seed, run_logger=run_logger, progress=progress)
     eval_metrics = evaluation(step=0) if config.eval.interval and start_step == 0 else {}
+
+    def sample_round(step: int, round_index: int) -> list[Episode]:  # this rank's share of a round's questions
+        batch = question_batch(train_set, step, config, round_index)
+        return rollout(model, tokenizer, batch, reward, config=config.rollout, generator=generator, progress=progress)
+
     zero_reward_steps = 0  # consecutive steps in which no episode earned any reward
     stopping = False
     with StopRequest() as stop:  # Ctrl-C or SIGTERM: the current step ends, is saved, and the run stops
         steps = progress_bar(range(start_step + 1, config.optim.num_steps + 1), desc="grpo", unit="step",
                              enabled=progress)
         for step in steps:
-            def sample_round(round_index: int) -> list[Episode]:  # the rollout of one round of the step's questions
-                batch = question_batch(train_set, step, config, round_index)
-                return rollout(model, tokenizer, batch, reward, config.rollout, generator, progress)
-
-            rollout_start = time.perf_counter()
-            model.eval()
-            with distributed.full_parameters(model):
-                episodes, train_episodes, sampling = sample_step(sample_round, config)
-            rollout_seconds = time.perf_counter() - rollout_start
-            if config.loss.overlong_buffer_fraction:  # DAPO: shaped for the advantages; the logged rewards stay the task's
-                train_episodes = apply_overlong_penalty(train_episodes, config.rollout.max_gen_len, config.loss)
-            if config.optim.skip_unfinished_episodes:
-                train_episodes = [e for e in train_episodes if e.is_finished]
-            advantages = compute_advantages(train_episodes, config.loss, all_ranks_rewards(train_episodes, config.loss))
-            if config.loss.whiten_advantages:  # REINFORCE++: over the whole batch, so every rank's answers
-                answers = list(zip(advantages, (e.num_generated_tokens for e in train_episodes)))
-                advantages = whiten_advantages(advantages, all_ranks(answers), config.loss.advantage_eps)
-            counts = global_counts(train_episodes, advantages)
-            update = update_policy(policy, optimizer_step, train_episodes, advantages, counts, config.loss, config.optim,
-                                   config.rollout.max_gen_len, tokenizer.pad_token_id, progress, reference_model,
-                                   all_ranks_entropy_threshold(train_episodes, config.loss))
-            no_reward = log_step(run_logger, step, episodes, update, rollout_seconds, optimizer, config, sampling)
-            zero_reward_steps = zero_reward_steps + 1 if no_reward else 0
-            if no_reward and zero_reward_steps == config.optim.warn_after_zero_reward_steps:
+            episodes, kept, sampling = sample_step(model, functools.partial(sample_round, step), config.rollout)
+            train_episodes = episodes_to_train(kept, config)
+            advantages = compute_advantages(train_episodes, config.loss)
+            update = update_policy(policy, optimizer_step, train_episodes, advantages, config=config.loss,
+                                   optim=config.optim, max_gen_len=config.rollout.max_gen_len,
+                                   pad_token_id=tokenizer.pad_token_id, reference_model=reference_model,
+                                   progress=progress)
+            metrics, all_episodes = step_metrics(episodes, update=update, sampling=sampling,
+                                                 learning_rate=optimizer.param_groups[0]["lr"], config=config)
+            log_step(run_logger, step, metrics, episodes=all_episodes, config=config)
+            zero_reward_steps = 0 if any(e.reward > 0 for e in all_episodes) else zero_reward_steps + 1
+            if zero_reward_steps and zero_reward_steps == config.optim.warn_after_zero_reward_steps:
                 warn_no_reward(config, zero_reward_steps)
             if config.eval.interval and step % config.eval.interval == 0:
                 eval_metrics = evaluation(step=step)
@@ -273,85 +263,52 @@ def question_batch(train_set, step: int, config: TrainConfig, round_index: int =
                       config.rollout.max_prompt_len)
 
 
-def sample_step(sample_round, config: TrainConfig) -> tuple[list[Episode], list[Episode], dict[str, float]]:
-    """(every sampled episode, the ones to train on, metrics): the step's questions, or with
-    rollout.dynamic_sampling, rounds of new questions until enough groups have rewards that differ."""
-    if not config.rollout.dynamic_sampling:
-        episodes = sample_round(0)
-        return episodes, episodes, {}
-    questions = config.questions_per_step // distributed.world_size()
-    max_rounds = config.rollout.dynamic_sampling_max_rounds
-    kept, episodes, rounds = sample_informative_groups(sample_round, questions, max_rounds)
-    return episodes, kept, {
-        "train/dynamic_sampling_rounds": distributed.global_max(rounds),
-        "train/questions_sampled": distributed.global_sum(len(episodes)) / config.rollout.num_answers_per_question,
-    }
+def episodes_to_train(episodes: list[Episode], config: TrainConfig) -> list[Episode]:
+    """The step's episodes as the update sees them: DAPO's overlong penalty shaped into the reward (the logged
+    rewards stay the task's), and unfinished ones left out with optim.skip_unfinished_episodes."""
+    if config.loss.overlong_buffer_fraction:
+        episodes = apply_overlong_penalty(episodes, config.rollout.max_gen_len, config.loss)
+    if config.optim.skip_unfinished_episodes:
+        episodes = [e for e in episodes if e.is_finished]
+    return episodes
 
 
-def all_ranks(values: list) -> list:
-    """Every rank's `values`, one list in rank order."""
-    return [value for rank_values in distributed.all_gather(values) for value in rank_values]
-
-
-def all_ranks_rewards(episodes: list[Episode], loss: LossConfig) -> list[float] | None:
-    """Every rank's rewards, for loss.std_scope "batch" (the std over the whole batch); else None."""
-    if not (loss.std_normalization and loss.std_scope == "batch"):
-        return None
-    return all_ranks([e.reward for e in episodes])
-
-
-def all_ranks_entropy_threshold(episodes: list[Episode], loss: LossConfig) -> float | None:
-    """loss.top_entropy_fraction's threshold over every rank's generated tokens; else None."""
-    if not loss.top_entropy_fraction:
-        return None
-    entropies = all_ranks([entropy for episode in episodes for entropy in episode.sampler_entropies])
-    return high_entropy_threshold(entropies, loss.top_entropy_fraction) if entropies else None
-
-
-def global_counts(episodes: list[Episode], advantages: list[float]) -> BatchCounts:
-    """batch_counts summed over all ranks: what the loss is averaged over, and whether there is signal."""
-    sums = distributed.global_sums(batch_counts(episodes, advantages)._asdict())
-    return BatchCounts(*(int(count) for count in sums.values()))
-
-
-def log_step(run_logger, step: int, episodes: list[Episode], update: dict, rollout_seconds: float, optimizer,
-             config: TrainConfig, sampling: dict[str, float]) -> bool:
-    """All ranks' episodes and update sums into the console line and TensorBoard (rank 0 writes).
-
-    Returns whether no episode of the step (on any rank) earned any reward.
-    """
-    update = all_ranks_update_metrics(update)
-    episodes = all_ranks(episodes)
-    no_reward = not any(e.reward > 0 for e in episodes)
-    if not run_logger:
-        return no_reward
-    generated_tokens = sum(e.num_generated_tokens for e in episodes)
+def step_metrics(episodes: list[Episode], *, update: dict[str, float], sampling: dict[str, float],
+                 learning_rate: float, config: TrainConfig) -> tuple[dict[str, float], list[Episode]]:
+    """The step's metrics over every rank's episodes (`update`'s are already every rank's), and those episodes."""
+    episodes = distributed.all_ranks(episodes)
+    rollout_seconds = sampling["time/rollout_seconds"]
     metrics = {
         **episode_metrics(episodes, config.rollout.num_answers_per_question),
         **{f"train/{key}": value for key, value in update.items()},
         "train/update_skipped": float(not update),
-        "train/learning_rate": optimizer.param_groups[0]["lr"],
-        "time/rollout_seconds": rollout_seconds,
-        "time/generated_tokens_per_second": generated_tokens / rollout_seconds,
-        **sampling,
+        "train/learning_rate": learning_rate,
+        **sampling,  # time/rollout_seconds, and dynamic sampling's rounds
+        "time/generated_tokens_per_second": sum(e.num_generated_tokens for e in episodes) / rollout_seconds,
     }
     if config.loss.overlong_buffer_fraction:  # over every sampled answer, as the other reward metrics
         metrics["reward/overlong_penalty"] = sum(overlong_penalty(e.num_generated_tokens, config.rollout.max_gen_len,
                                                                   config.loss) for e in episodes) / len(episodes)
+    return metrics, episodes
+
+
+def log_step(run_logger, step: int, metrics: dict[str, float], *, episodes: list[Episode], config: TrainConfig) -> None:
+    """The step's metrics into the console line and TensorBoard, and some of its episodes as text (rank 0 writes)."""
+    if not run_logger:
+        return
     run_logger.scalars(metrics, step)
     head = (f"step {step} | reward {metrics['reward/mean']:.3f} | success {metrics['train/success_rate']:.3f} | "
             f"format {metrics['train/format_rate']:.3f} | flat groups {metrics['train/zero_spread_group_fraction']:.2f}")
-    rollout = (f"len {metrics['response_length/mean']:.0f} | rollout {rollout_seconds:.1f}s "
+    rollout = (f"len {metrics['response_length/mean']:.0f} | rollout {metrics['time/rollout_seconds']:.1f}s "
                f"({metrics['time/generated_tokens_per_second']:.0f} tok/s)")
-    if update:
-        logger.info("%s | loss %.4f | grad %.3f | entropy %.3f | %s | update %.1fs", head, update["loss"],
-                    update["grad_norm"], update["entropy"], rollout, update["update_seconds"])
+    if not metrics["train/update_skipped"]:
+        logger.info("%s | loss %.4f | grad %.3f | entropy %.3f | %s | update %.1fs", head, metrics["train/loss"],
+                    metrics["train/grad_norm"], metrics["train/entropy"], rollout, metrics["train/update_seconds"])
     else:  # no episode has a nonzero advantage (or none is left): the gradient would be exactly 0
         logger.info("%s | update skipped: no reward spread in any group | %s", head, rollout)
     if config.logging.sample_interval and step % config.logging.sample_interval == 0:
         for index, episode in enumerate(episodes[: config.logging.num_samples]):
             run_logger.text(f"episodes/{index}", format_episode(episode), step)
-    return no_reward
 
 
 def warn_no_reward(config: TrainConfig, steps: int) -> None:
@@ -367,15 +324,6 @@ def warn_no_reward(config: TrainConfig, steps: int) -> None:
         "--set model.dir=%s-sft. optim.warn_after_zero_reward_steps sets when this warning appears (0: never).",
         steps, config.model.dir, config.task.name, tasks.get(config.task).SFT_CONFIG, config.model.dir,
         config.task.data_dir, config.model.dir, config.model.dir)
-
-
-def all_ranks_update_metrics(update: dict) -> dict[str, float]:
-    """update_metrics over every rank's update_policy sums (empty if the update was skipped)."""
-    if not update:
-        return {}
-    sums = {key: update[key] for key in UPDATE_SUMS if key in update}  # kl_sum only with a KL term
-    maxima = {key: distributed.global_max(update[key]) for key in ("ratio_max", "sampler_diff_max")}
-    return update_metrics({**update, **distributed.global_sums(sums), **maxima})
 
 
 def main(argv: list[str] | None = None) -> None:

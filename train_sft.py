@@ -207,16 +207,17 @@ def task_eval_set(config: SFTConfig, tokenizer) -> torch.utils.data.Dataset:
     return torch.utils.data.Subset(train_set, range(max(0, len(train_set) - config.data.eval_size), len(train_set)))
 
 
-def evaluate_sft(model, tokenizer, eval_examples, eval_set, config: SFTConfig, run_logger, step: int) -> dict:
+def evaluate_sft(model, tokenizer, *, eval_examples, eval_set, config: SFTConfig, run_logger, step: int) -> dict:
     """The held-out loss, then (unless eval.max_questions is 0) success on `eval_set`, as eval/* metrics."""
     metrics = {"eval/loss": held_out_loss(model, eval_examples, config, tokenizer.pad_token_id)}
     if run_logger:  # rank 0 only
         run_logger.scalars(metrics, step)
     logger.info("eval step %d: held-out loss %.4g", step, metrics["eval/loss"])
     if config.eval.max_questions != 0:
-        task_metrics = run_evaluation(model, tokenizer, eval_set, tasks.get(config.task).reward,
-                                      config.eval.max_gen_len or config.data.max_seq_len, config.eval, config.seed,
-                                      run_logger, step, progress=config.progress and distributed.is_main_process())
+        task_metrics = run_evaluation(model, tokenizer, eval_set, reward=tasks.get(config.task).reward,
+                                      max_gen_len=config.eval.max_gen_len or config.data.max_seq_len,
+                                      config=config.eval, seed=config.seed, run_logger=run_logger, step=step,
+                                      progress=config.progress and distributed.is_main_process())
         metrics.update({f"eval/{key}": value for key, value in task_metrics.items()})
     return metrics
 
@@ -254,9 +255,10 @@ def train_sft(config: SFTConfig, resume: str | None = None, overwrite: bool = Fa
     logger.info("SFT %s on %s: %d train / %d held-out pairs, logs in %s", config.run_name, device,
                 len(train_examples), len(eval_examples), Path(config.logging.log_dir) / config.run_name)
 
-    evaluation = functools.partial(evaluate_sft, model, tokenizer, eval_examples, eval_set, config, run_logger)
+    evaluation = functools.partial(evaluate_sft, model, tokenizer, eval_examples=eval_examples, eval_set=eval_set,
+                                   config=config, run_logger=run_logger)
     if config.eval.interval and start_step == 0:
-        metrics = evaluation(0)
+        metrics = evaluation(step=0)
     steps_run, stopping = start_step, False
     with StopRequest() as stop:  # Ctrl-C or SIGTERM: the current step ends, is saved, and the run stops
         bar = progress_bar(range(start_step, optim.num_steps), desc="sft", unit="step", enabled=config.progress and is_main)
@@ -265,14 +267,15 @@ def train_sft(config: SFTConfig, resume: str | None = None, overwrite: bool = Fa
                 logger.info("held-out success %.3f >= optim.stop_at_success %g after %d steps: stopping",
                             metrics["eval/success_rate"], optim.stop_at_success, step)
                 break
-            step_metrics = sft_step(policy, optimizer_step, optimizer, train_examples, step, config, tokenizer.pad_token_id)
+            step_metrics = sft_step(policy, optimizer_step, train_examples, step=step, config=config,
+                                    pad_token_id=tokenizer.pad_token_id)
             steps_run = step + 1
             if run_logger:
                 run_logger.scalars(step_metrics, steps_run)
             bar.set_postfix(loss=f"{step_metrics['train/loss']:.3f}", grad=f"{step_metrics['train/grad_norm']:.3f}",
                             lr=f"{step_metrics['train/learning_rate']:.2e}")
             if config.eval.interval and (steps_run % config.eval.interval == 0 or steps_run == optim.num_steps):
-                metrics = evaluation(steps_run)
+                metrics = evaluation(step=steps_run)
             stopping = stop.requested() and steps_run < optim.num_steps and not reached_target(metrics, optim)
             if stopping or (config.checkpoint.interval and steps_run % config.checkpoint.interval == 0
                             and steps_run < optim.num_steps):  # the last step goes to output_dir
@@ -294,7 +297,7 @@ def train_sft(config: SFTConfig, resume: str | None = None, overwrite: bool = Fa
     return {**metrics, "steps": steps_run}
 
 
-def sft_step(policy, optimizer_step, optimizer, train_examples, step: int, config: SFTConfig,
+def sft_step(policy, optimizer_step, train_examples, *, step: int, config: SFTConfig,
              pad_token_id: int) -> dict[str, float]:
     """One optimizer step (0-based `step`) on its batch of training pairs; returns its train/* metrics."""
     start = time.perf_counter()
@@ -315,6 +318,7 @@ def sft_step(policy, optimizer_step, optimizer, train_examples, step: int, confi
             (nll / num_tokens).backward()
         total_nll += nll.detach().double()
     total_nll = distributed.global_sum(total_nll.item())
+    optimizer = optimizer_step.optimizer
     for group in optimizer.param_groups:
         group["lr"] = learning_rate(step, optim)
     grad_norm = optimizer_step()

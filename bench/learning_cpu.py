@@ -136,8 +136,8 @@ def held_out_scores(model_dir: Path, config: train.TrainConfig, seed: int) -> di
         eval_config = EvalConfig(max_questions=None, batch_size=config.eval.batch_size, num_samples=1,
                                  temperature=temperature, max_gen_len=config.eval.max_gen_len)
         generator = torch.Generator(device=device).manual_seed(seed)
-        metrics, _ = evaluate(model, tokenizer, test_set, tasks.get(config.task).reward, max_gen_len(config),
-                              eval_config, generator, progress=False)
+        metrics, _ = evaluate(model, tokenizer, test_set, reward=tasks.get(config.task).reward,
+                              max_gen_len=max_gen_len(config), config=eval_config, generator=generator, progress=False)
         scores[f"success_{name}"] = round(metrics["success_rate"], 4)
         scores[f"format_{name}"] = round(metrics["format_rate"], 4)
         scores["questions"] = metrics["num_questions"]

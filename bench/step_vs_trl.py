@@ -129,7 +129,7 @@ def run_ours(workdir: Path, args, reports) -> None:
     import countdown_task
     from config import LossConfig, OptimConfig, RolloutConfig
     from distributed import OptimizerStep
-    from grpo import batch_counts, compute_advantages, rollout, update_policy
+    from grpo import compute_advantages, rollout, update_policy
     from optimizer import new_adamw
     from qwen2_model import Transformer
     from tokenizer import Tokenizer
@@ -154,11 +154,12 @@ def run_ours(workdir: Path, args, reports) -> None:
         clock.begin_step()
         batch = make_batch(dataset, range(step * args.questions, (step + 1) * args.questions), max_prompt_len=10**6)
         model.eval()
-        episodes = clock.time_rollout(lambda: rollout(model, tokenizer, batch, reward, sampling, generator))
+        episodes = clock.time_rollout(lambda: rollout(model, tokenizer, batch, reward, config=sampling,
+                                                               generator=generator))
         advantages = compute_advantages(episodes, loss)
-        totals = update_policy(model, optimizer_step, episodes, advantages, batch_counts(episodes, advantages), loss,
-                               optim, args.max_gen_len, tokenizer.pad_token_id)
-        if not totals:
+        update = update_policy(model, optimizer_step, episodes, advantages, config=loss, optim=optim,
+                               max_gen_len=args.max_gen_len, pad_token_id=tokenizer.pad_token_id)
+        if not update:
             sys.exit("our update was skipped (no reward spread), so this step would not be comparable with TRL's")
         clock.end_step()
 

@@ -36,7 +36,7 @@ from bench.rollout import SHAPES
 from config import LossConfig, OptimConfig
 from data_types import Episode
 from distributed import OptimizerStep
-from grpo import batch_counts, compute_advantages, update_policy
+from grpo import compute_advantages, update_policy
 from logprobs import token_log_probs
 from optimizer import new_adamw
 from qwen2_model import ModelConfig, Transformer, init_weights
@@ -177,8 +177,8 @@ def timed_update(model, episodes: list[Episode], args, read_per_micro_batch: boo
     read = model.register_forward_hook(read_a_scalar) if read_per_micro_batch else None
     synchronize(device)
     start = time.perf_counter()
-    update_policy(model, optimizer_step, episodes, advantages, batch_counts(episodes, advantages), loss, optim,
-                  args.seq_len - args.prompt_len, pad_token_id=0)
+    update_policy(model, optimizer_step, episodes, advantages, config=loss, optim=optim,
+                  max_gen_len=args.seq_len - args.prompt_len, pad_token_id=0)
     synchronize(device)
     if read is not None:
         read.remove()

@@ -59,10 +59,9 @@ def sgd_update(model, episodes: list[Episode], aggregation: str, fsdp: bool = Fa
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     loss_config = LossConfig(aggregation=aggregation)
     advantages = compute_advantages(episodes, loss_config)
-    update = update_policy(policy, distributed.OptimizerStep(policy, optimizer, MAX_GRAD_NORM[aggregation]), episodes,
-                           advantages, train.global_counts(episodes, advantages), loss_config,
-                           config_lib.OptimConfig(micro_batch_size=2, logprob_chunk_size=4), max_gen_len=16, pad_token_id=0)
-    return train.all_ranks_update_metrics(update)
+    return update_policy(policy, distributed.OptimizerStep(policy, optimizer, MAX_GRAD_NORM[aggregation]), episodes,
+                         advantages, config=loss_config, optim=config_lib.OptimConfig(micro_batch_size=2, logprob_chunk_size=4),
+                         max_gen_len=16, pad_token_id=0)
 
 
 def digit_reward(response, item, end_token):

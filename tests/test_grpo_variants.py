@@ -18,9 +18,8 @@ import config as config_lib
 from config import ConfigError
 from data_types import Episode
 from distributed import OptimizerStep
-from grpo import (LossConfig, apply_overlong_penalty, batch_counts, compute_advantages, high_entropy_threshold, k3_kl,
-                  overlong_penalty, sample_informative_groups, surrogate_token_losses, update_metrics, update_policy,
-                  whiten_advantages)
+from grpo import (LossConfig, apply_overlong_penalty, compute_advantages, high_entropy_threshold, k3_kl, overlong_penalty,
+                  sample_informative_groups, surrogate_token_losses, update_policy, whiten_advantages)
 from qwen2_model import Transformer
 from config import OptimConfig
 from test_grpo import (TOKEN, assert_same_parameters, expected_sgd_update, per_token_log_probs, policy,  # noqa: F401
@@ -339,10 +338,10 @@ def sgd_update(model, episodes, config, reference_model=None):
     model = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     advantages = compute_advantages(episodes, config)
-    update = update_policy(model, OptimizerStep(model, optimizer, max_grad_norm=1e9), episodes,
-                           advantages, batch_counts(episodes, advantages), config,
-                           OptimConfig(micro_batch_size=2, logprob_chunk_size=4), 16, 0, reference_model=reference_model)
-    return model, update_metrics(update)
+    update = update_policy(model, OptimizerStep(model, optimizer, max_grad_norm=1e9), episodes, advantages,
+                           config=config, optim=OptimConfig(micro_batch_size=2, logprob_chunk_size=4), max_gen_len=16,
+                           pad_token_id=0, reference_model=reference_model)
+    return model, update
 
 
 def perturbed(model, scale=0.05):

@@ -45,11 +45,11 @@ def sgd_update(model_dir: str, episodes) -> tuple[Transformer, dict]:
     model = Transformer.from_pretrained(model_dir, dtype=torch.float32)
     policy = distributed.training_model(model, torch.device("cpu"), fsdp=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    advantages = compute_advantages(episodes, LOSS, train.all_ranks_rewards(episodes, LOSS))
-    update = update_policy(policy, distributed.OptimizerStep(policy, optimizer, 1e9), episodes, advantages,
-                           train.global_counts(episodes, advantages), LOSS, OptimConfig(micro_batch_size=2, logprob_chunk_size=4),
-                           max_gen_len=16, pad_token_id=0, reference_model=perturbed_copy(model_dir))
-    return model, train.all_ranks_update_metrics(update)
+    advantages = compute_advantages(episodes, LOSS)
+    update = update_policy(policy, distributed.OptimizerStep(policy, optimizer, 1e9), episodes, advantages, config=LOSS,
+                           optim=OptimConfig(micro_batch_size=2, logprob_chunk_size=4), max_gen_len=16, pad_token_id=0,
+                           reference_model=perturbed_copy(model_dir))
+    return model, update
 
 
 def rank_main(model_dir: str, out_dir: str) -> None:
