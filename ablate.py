@@ -135,19 +135,20 @@ def run_experiment(experiment: Experiment) -> dict:
     return {**read_run_metrics(log_dir), "wall_seconds": time.perf_counter() - start}
 
 
-def run_suite(directory, base_path, overrides: list[str], out_dir, force: bool = False) -> list[dict]:
+def run_suite(directory, base_path, overrides: list[str], out_dir, *, force: bool = False) -> list[dict]:
     """Run (or reuse) every experiment of `directory`; returns the result rows, also written to out_dir."""
     out_dir = Path(out_dir)
     experiments = load_experiments(directory, base_path, overrides, out_dir)
     # One suite per output directory: a second one would delete the first one's live runs as "stale".
     claim = checkpoint.RunClaim([out_dir], "wait for it to end or pass another --out")
     try:
-        return run_experiments(experiments, out_dir, directory, base_path, overrides, force)
+        return run_experiments(experiments, out_dir, directory=directory, base_path=base_path, overrides=overrides,
+                               force=force)
     finally:
         claim.release()
 
 
-def run_experiments(experiments: list[Experiment], out_dir: Path, directory, base_path, overrides: list[str],
+def run_experiments(experiments: list[Experiment], out_dir: Path, *, directory, base_path, overrides: list[str],
                     force: bool) -> list[dict]:
     (out_dir / "runs").mkdir(parents=True, exist_ok=True)
     rows = []
@@ -173,7 +174,7 @@ def run_experiments(experiments: list[Experiment], out_dir: Path, directory, bas
             row.update(metrics)
             record_path.write_text(json.dumps({"config": config_yaml, "metrics": metrics}, indent=2))
         rows.append(row)
-        write_results(rows, out_dir, directory, base_path, overrides)
+        write_results(rows, out_dir, directory=directory, base_path=base_path, overrides=overrides)
     return rows
 
 
@@ -187,7 +188,7 @@ def format_duration(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{seconds:02d}"
 
 
-def write_results(rows: list[dict], out_dir: Path, directory, base_path, overrides: list[str]) -> None:
+def write_results(rows: list[dict], out_dir: Path, *, directory, base_path, overrides: list[str]) -> None:
     with open(out_dir / "results.csv", "w", newline="") as csv_file:
         writer = csv.DictWriter(csv_file, COLUMNS)
         writer.writeheader()
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     out_dir = Path(config_lib.expand_path(args.out)) if args.out else Path("artifacts") / "ablations" / Path(args.base).stem
     try:
-        rows = run_suite(args.directory, args.base, args.set, out_dir, args.force)
+        rows = run_suite(args.directory, args.base, args.set, out_dir, force=args.force)
     except config_lib.InputError as error:  # config, data, or the output directory in use: one line, exit code 2
         config_lib.exit_on_input_error(error)
     logger.info("%d experiments; results in %s", len(rows), Path(out_dir) / "results.md")

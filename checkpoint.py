@@ -154,7 +154,7 @@ def _fsync(path: Path) -> None:
         os.close(descriptor)
 
 
-def save(out_dir, model, tokenizer_dir, run_config=None, trainer_state: dict | None = None) -> Path:
+def save(out_dir, model, tokenizer_dir, *, run_config=None, trainer_state: dict | None = None) -> Path:
     import torch  # here, so entry points can validate their config before loading torch
 
     out_dir = Path(out_dir)

@@ -113,14 +113,15 @@ SFT_CONFIG = "configs/countdown_sft.yaml"
 
 def load_dataset(config: TaskConfig, tokenizer, split: str) -> "CountdownDataset":
     """The task interface's dataset (tasks.py)."""
-    return CountdownDataset(config.data_dir, tokenizer, split, config.test_size, config.question_last)
+    return CountdownDataset(config.data_dir, tokenizer, split, test_size=config.test_size,
+                            question_last=config.question_last)
 
 
 class CountdownDataset(torch.utils.data.Dataset):
     """CountDown tasks; test = the last test_size rows, train = the rows before them minus any that repeat
     a test question."""
 
-    def __init__(self, data_dir: str | Path, tokenizer, split: str = "train", test_size: int = 128,
+    def __init__(self, data_dir: str | Path, tokenizer, split: str = "train", *, test_size: int = 128,
                  question_last: bool = False):
         table = read_tasks(data_dir)
         if split not in ("train", "test"):

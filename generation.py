@@ -84,6 +84,7 @@ def decode_step(
     kv_cache: KVCache,
     tokens: torch.Tensor,
     positions: torch.Tensor,
+    *,
     uniforms: torch.Tensor | None,
     temperature: float,
     top_p: float,
@@ -220,7 +221,8 @@ def generate(
     max_seq_len = max(len(prompt) for prompt in prompts) + max_gen_len - 1
     if compiled:
         max_seq_len = -(-max_seq_len // COMPILED_CACHE_LENGTH_MULTIPLE) * COMPILED_CACHE_LENGTH_MULTIPLE
-    kv_cache, logits, positions = prefill_rows(model, prompts, num_samples_per_prompt, max_seq_len, share_prompt_prefill)
+    kv_cache, logits, positions = prefill_rows(model, prompts, num_samples_per_prompt=num_samples_per_prompt,
+                                               max_seq_len=max_seq_len, share_prompt_prefill=share_prompt_prefill)
     length_limits = torch.full((len(logits),), max_gen_len, device=device)
     if stop_lengths is not None:
         length_limits = length_limits.minimum(torch.tensor(stop_lengths, device=device))
@@ -229,10 +231,12 @@ def generate(
         temperature=temperature, top_p=top_p, generator=generator, evict_finished=evict_finished and not compiled,
         compiled=compiled, progress=progress,
     )
-    return completions_from_outputs(*(output.tolist() for output in outputs), length_limits.tolist(), eos_token_id)
+    return completions_from_outputs(*(output.tolist() for output in outputs), limits=length_limits.tolist(),
+                                    eos_token_id=eos_token_id)
 
 
-def prefill_rows(model: Transformer, prompts, num_samples_per_prompt: int, max_seq_len: int, share_prompt_prefill: bool):
+def prefill_rows(model: Transformer, prompts, *, num_samples_per_prompt: int, max_seq_len: int,
+                 share_prompt_prefill: bool):
     """Cache, next-token logits and positions for every completion row, prompt-major."""
     if not share_prompt_prefill:
         return prefill(model, [prompt for prompt in prompts for _ in range(num_samples_per_prompt)], max_seq_len)
@@ -327,8 +331,8 @@ def decode(
         # Eager steps attend over the written slots only (views, no copy): early in a long generation
         # most of the buffer is empty. A captured graph needs the whole, fixed-shape buffer.
         step_cache = kv_cache if compiled else filled_part(kv_cache, filled + 1)
-        next_tokens, next_log_probs, next_entropies = step_fn(model, step_cache, next_tokens, positions, uniforms,
-                                                              temperature, top_p)
+        next_tokens, next_log_probs, next_entropies = step_fn(model, step_cache, next_tokens, positions,
+                                                              uniforms=uniforms, temperature=temperature, top_p=top_p)
         if compiled:  # the graph's output buffers are overwritten by its next replay
             next_tokens, next_log_probs, next_entropies = (t.clone() for t in (next_tokens, next_log_probs, next_entropies))
         positions, filled = positions + 1, filled + 1
@@ -345,7 +349,7 @@ def draw_uniforms(num_rows: int, temperature: float, generator, device) -> torch
     return None if temperature == 0 else torch.rand(num_rows, generator=generator, device=device)
 
 
-def completions_from_outputs(outputs: list[list[int]], log_probs: list[list[float]], entropies: list[list[float]],
+def completions_from_outputs(outputs: list[list[int]], log_probs: list[list[float]], entropies: list[list[float]], *,
                              limits: list[int], eos_token_id: int) -> list[Completion]:
     """Cut each row at its first eos (kept) or its length limit; rows may hold stale tokens beyond."""
     completions = []

@@ -169,7 +169,7 @@ def batch_counts(episodes: list[Episode], advantages: list[float]) -> BatchCount
     return BatchCounts(*(int(count) for count in distributed.global_sums(counts._asdict()).values()))
 
 
-def episode_loss_weights(episodes: list[Episode], config: LossConfig, num_sequences: int, num_tokens: int,
+def episode_loss_weights(episodes: list[Episode], config: LossConfig, *, num_sequences: int, num_tokens: int,
                          max_gen_len: int) -> list[float]:
     """The weight of each of an episode's token losses, so the batch loss is the chosen average.
 
@@ -185,7 +185,7 @@ def episode_loss_weights(episodes: list[Episode], config: LossConfig, num_sequen
     return [1.0 / (num_sequences * constant)] * len(episodes)
 
 
-def surrogate_token_losses(log_probs, old_log_probs, advantages, config: LossConfig, mask=None):
+def surrogate_token_losses(log_probs, old_log_probs, advantages, config: LossConfig, *, mask=None):
     """-ratio x advantage per token, or a bounded version of it (loss.clip); also which tokens were clipped.
 
     On-policy (old_log_probs = log_probs.detach()) the ratio is 1 and every version's gradient is
@@ -304,7 +304,8 @@ def update_policy(
     if config.top_entropy_fraction:
         entropies = distributed.all_ranks([entropy for episode in episodes for entropy in episode.sampler_entropies])
         entropy_threshold = high_entropy_threshold(entropies, config.top_entropy_fraction) if entropies else None
-    weights = episode_loss_weights(episodes, config, counts.sequences, counts.tokens, max_gen_len)
+    weights = episode_loss_weights(episodes, config, num_sequences=counts.sequences, num_tokens=counts.tokens,
+                                   max_gen_len=max_gen_len)
     episode_sums = {"advantage_abs_sum": sum(abs(a) for a in advantages), "episodes": len(episodes)}
     if not config.kl_beta and not distributed.is_initialized():
         # An answer with advantage 0 (its group's rewards were all equal) adds exactly 0 to the loss and its
@@ -357,7 +358,7 @@ def update_policy(
                 per_token_advantage = torch.tensor([advantages[i] for i in indices], device=device)[:, None]
                 per_token_weight = torch.tensor([weights[i] for i in indices], device=device)[:, None] * mask
                 token_losses, ratio, clipped = surrogate_token_losses(
-                    log_probs, old_log_probs[batch_number], per_token_advantage, config, mask
+                    log_probs, old_log_probs[batch_number], per_token_advantage, config, mask=mask
                 )
                 if loss_scales[batch_number] is not None:
                     token_losses = token_losses * loss_scales[batch_number]

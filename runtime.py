@@ -137,7 +137,7 @@ def name_run(config: TrainConfig | SFTConfig, resume: str | None, prefix: str = 
     config.run_name = config.run_name or agreed_run_name(prefix)
 
 
-def save_checkpoint(config: TrainConfig | SFTConfig, step: int, model, optimizer, model_dir, *,
+def save_checkpoint(config: TrainConfig | SFTConfig, step: int, model, optimizer, *, model_dir,
                     generator: torch.Generator | None = None, resumable: bool = False,
                     extra_state: dict | None = None) -> None:
     """<checkpoint.dir>/<run_name>/step_NNNNNN, with the trainer state to resume from if `resumable` or
@@ -152,7 +152,8 @@ def save_checkpoint(config: TrainConfig | SFTConfig, step: int, model, optimizer
     if distributed.is_main_process():
         run_directory = Path(config.checkpoint.dir) / config.run_name
         try:
-            path = checkpoint.save(run_directory / f"step_{step:06d}", savable, model_dir, config, trainer_state)
+            path = checkpoint.save(run_directory / f"step_{step:06d}", savable, model_dir, run_config=config,
+                                   trainer_state=trainer_state)
         except checkpoint.CheckpointError as error:  # a full disk, a directory gone read-only
             raise checkpoint.CheckpointError(f"{error}; once it can be written, continue the run with "
                                              f"--resume {run_directory}") from None

@@ -197,7 +197,8 @@ def train(config: TrainConfig, resume: str | None = None, overwrite: bool = Fals
             stopping = stop.requested() and step < config.optim.num_steps
             last = stopping or step == config.optim.num_steps  # this process's last checkpoint: resumable
             if last or (config.checkpoint.interval and step % config.checkpoint.interval == 0):
-                save_checkpoint(config, step, model, optimizer, model_dir, generator=generator, resumable=last)
+                save_checkpoint(config, step, model, optimizer, model_dir=model_dir, generator=generator,
+                                resumable=last)
             if stopping:
                 break
         steps.close()

@@ -279,7 +279,7 @@ def train_sft(config: SFTConfig, resume: str | None = None, overwrite: bool = Fa
             stopping = stop.requested() and steps_run < optim.num_steps and not reached_target(metrics, optim)
             if stopping or (config.checkpoint.interval and steps_run % config.checkpoint.interval == 0
                             and steps_run < optim.num_steps):  # the last step goes to output_dir
-                save_checkpoint(config, steps_run, model, optimizer, model_dir, resumable=stopping,
+                save_checkpoint(config, steps_run, model, optimizer, model_dir=model_dir, resumable=stopping,
                                 extra_state={"metrics": metrics})
             if stopping:
                 break
@@ -287,7 +287,8 @@ def train_sft(config: SFTConfig, resume: str | None = None, overwrite: bool = Fa
     if not stopping:
         savable = distributed.savable_model(model)  # every rank takes part: FSDP gathers the shards
         if is_main:
-            logger.info("saved the fine-tuned model to %s", checkpoint.save(config.output_dir, savable, model_dir, config))
+            saved = checkpoint.save(config.output_dir, savable, model_dir, run_config=config)
+            logger.info("saved the fine-tuned model to %s", saved)
     if run_logger:
         run_logger.close()
         run_claim.release()

@@ -211,8 +211,9 @@ def test_decode_step_traces_as_one_graph(model, prompts):
     cache = model.new_kv_cache(2, 16)
     compiled = torch.compile(decode_step, backend="eager", fullgraph=True, dynamic=False)
     tokens, positions, uniforms = torch.tensor([3, 4]), torch.tensor([0, 0]), torch.tensor([0.3, 0.9])
-    expected = decode_step(model, model.new_kv_cache(2, 16), tokens, positions, uniforms, 0.9, 0.8)
-    traced = compiled(model, cache, tokens, positions, uniforms, 0.9, 0.8)
+    sampling = dict(uniforms=uniforms, temperature=0.9, top_p=0.8)
+    expected = decode_step(model, model.new_kv_cache(2, 16), tokens, positions, **sampling)
+    traced = compiled(model, cache, tokens, positions, **sampling)
     assert torch.equal(traced[0], expected[0])  # the tokens; their log-probs and entropies within rounding:
     torch.testing.assert_close(traced[1:], expected[1:], rtol=1e-5, atol=1e-6)
 
