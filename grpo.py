@@ -6,6 +6,10 @@ the second design document (no baseline, no std, sequence or constant length nor
 K epochs per rollout with or without PPO clipping) are switches in `LossConfig`, and so are the ones
 that followed DeepSeek-R1 (DAPO, Dr. GRPO, GSPO, CISPO, SAPO, RLOO, REINFORCE++ whitening, top-entropy
 tokens, a KL penalty to a frozen reference, truncated importance sampling against the sampler; docs/variants.md).
+
+Each function reads as the single-process algorithm. Under data parallel, what needs the whole batch (counts,
+batch-wide reward statistics, the entropy threshold, the logged metrics) is summed or gathered over the ranks
+inside these functions, through distributed.py's helpers, which are identities in a single process.
 """
 
 import dataclasses
