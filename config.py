@@ -170,7 +170,7 @@ class TaskConfig:
     name: Literal["countdown", "gsm8k"] = "countdown"
     data_dir: str = "Jiayi-Pan/Countdown-Tasks-3to4"  # a data directory or Hub id (hub.py)
     test_size: int = 128  # countdown: the last rows held out for evaluation
-    prompt_template: str = "reasoning"  # gsm8k: prompts/<name>.txt or a file path
+    prompt_template: str = "reasoning"  # gsm8k: configs/prompts/<name>.txt or a file path
     # countdown: the question after GRPO:Zero's instructions (same words), so every prompt starts with the same
     # ~110 tokens, which generation and the update run once per batch
     question_last: bool = False

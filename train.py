@@ -354,7 +354,7 @@ def log_step(run_logger, step: int, episodes: list[Episode], update: dict, rollo
 
 
 # The SFT warm-up's config for each task (its data and prompts); see warn_no_reward.
-SFT_CONFIGS = {"countdown": "config_cpu_sft.yaml", "gsm8k": "configs/gsm8k_sft.yaml"}
+SFT_CONFIGS = {"countdown": "configs/cpu_demo_sft.yaml", "gsm8k": "configs/gsm8k_sft.yaml"}
 
 
 def warn_no_reward(config: TrainConfig, steps: int) -> None:

@@ -118,7 +118,7 @@ def test_zero_reward_steps_skip_the_update_and_warn_with_the_sft_fix(tmp_path, t
     assert all("flat groups 1.00 | update skipped: no reward spread" in line for line in step_lines)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "no episode has earned any reward for 2 steps" in warnings[0]
-    assert (f"uv run train_sft.py --config config_cpu_sft.yaml --set model.dir={tiny_model_dir} "
+    assert (f"uv run train_sft.py --config configs/cpu_demo_sft.yaml --set model.dir={tiny_model_dir} "
             f"--set task.data_dir={countdown_dir}") in warnings[0]
     scalars = read_scalars(tmp_path / "logs" / "tiny")
     assert scalars["train/update_skipped"] == [(1, 1.0), (2, 1.0), (3, 1.0)]
