@@ -54,14 +54,18 @@ def exit_on_input_error(error: InputError) -> typing.NoReturn:
     raise SystemExit(2)
 
 
-def check_command_line(read_command_line: Callable[[list[str] | None], object]) -> None:
-    """Read and validate an entry point's command line (arguments, config files, --set), exiting on
-    --help, a usage error or an input error; else do nothing.
+def check_command_line(module_name: str, read_command_line: Callable[[list[str] | None], object]) -> None:
+    """When the entry point runs as a script (`module_name` is its `__name__`, "__main__"), read and validate
+    its command line (arguments, config files, --set), exiting on --help, a usage error or an input error;
+    else, or when it is imported (tests, ablate.py), do nothing.
 
     Entry points call it at the top of the file, before their heavy imports: torch alone takes seconds
     to load, and --help or a config error should not wait for it. `read_command_line` imports nothing
-    heavy; main() calls it again (milliseconds) and goes on to the work.
+    heavy; the file's one `if __name__ == "__main__":` block, at its end, runs main(), which calls it again
+    (milliseconds) and goes on to the work.
     """
+    if module_name != "__main__":
+        return
     try:
         read_command_line(None)
     except InputError as error:
