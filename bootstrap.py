@@ -1,6 +1,6 @@
 """Create a run's missing inputs before training: the CPU demo's one-command start.
 
-On a fresh clone nothing can be downloaded, so config_cpu.yaml names the commands that make what is
+On a fresh clone nothing can be downloaded, so configs/cpu_demo.yaml names the commands that make what is
 missing: a CountDown dataset (countdown_task.py generate), a tiny random base model (tiny_model.py)
 and its SFT warm-up (train_sft.py). Each runs only if its output does not exist yet, so a rerun goes
 straight to GRPO.

@@ -54,14 +54,18 @@ def exit_on_input_error(error: InputError) -> typing.NoReturn:
     raise SystemExit(2)
 
 
-def check_command_line(read_command_line: Callable[[list[str] | None], object]) -> None:
-    """Read and validate an entry point's command line (arguments, config files, --set), exiting on
-    --help, a usage error or an input error; else do nothing.
+def check_command_line(module_name: str, read_command_line: Callable[[list[str] | None], object]) -> None:
+    """When the entry point runs as a script (`module_name` is its `__name__`, "__main__"), read and validate
+    its command line (arguments, config files, --set), exiting on --help, a usage error or an input error;
+    else, or when it is imported (tests, ablate.py), do nothing.
 
     Entry points call it at the top of the file, before their heavy imports: torch alone takes seconds
     to load, and --help or a config error should not wait for it. `read_command_line` imports nothing
-    heavy; main() calls it again (milliseconds) and goes on to the work.
+    heavy; the file's one `if __name__ == "__main__":` block, at its end, runs main(), which calls it again
+    (milliseconds) and goes on to the work.
     """
+    if module_name != "__main__":
+        return
     try:
         read_command_line(None)
     except InputError as error:
@@ -170,7 +174,7 @@ class TaskConfig:
     name: Literal["countdown", "gsm8k"] = "countdown"
     data_dir: str = "Jiayi-Pan/Countdown-Tasks-3to4"  # a data directory or Hub id (hub.py)
     test_size: int = 128  # countdown: the last rows held out for evaluation
-    prompt_template: str = "reasoning"  # gsm8k: prompts/<name>.txt or a file path
+    prompt_template: str = "reasoning"  # gsm8k: configs/prompts/<name>.txt or a file path
     # countdown: the question after GRPO:Zero's instructions (same words), so every prompt starts with the same
     # ~110 tokens, which generation and the update run once per batch
     question_last: bool = False

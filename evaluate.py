@@ -119,8 +119,7 @@ def read_command_line(argv: list[str] | None = None) -> tuple[argparse.Namespace
     return args, config
 
 
-if __name__ == "__main__":
-    config_lib.check_command_line(read_command_line)
+config_lib.check_command_line(__name__, read_command_line)  # as a script: --help, bad input answered before torch
 
 import torch
 

@@ -23,7 +23,7 @@ from config import ConfigError, DataError, InputError, TaskConfig, exit_on_input
 from inputs import GSM8K_DOWNLOAD_HINT, GSM8K_HUB_FILES, gsm8k_files, read_parquet
 from run_logging import log_to_console, progress_bar
 
-PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
+PROMPTS_DIR = Path(__file__).resolve().parent / "configs" / "prompts"
 GOLD_ANSWER_MARKER = "####"
 CALCULATOR_ANNOTATION = re.compile(r"<<[^<>]*>>")  # GSM8K's "<<48/2=24>>" calculator calls
 
@@ -97,7 +97,7 @@ def clean_solution(solution: str) -> str:
 
 
 def load_prompt_template(name_or_path: str | Path) -> str:
-    """A template from prompts/<name>.txt, or from a file path; '{question}' marks where the question goes."""
+    """A template from configs/prompts/<name>.txt, or from a file path; '{question}' marks where the question goes."""
     path = PROMPTS_DIR / f"{name_or_path}.txt"
     if not path.is_file():
         path = Path(name_or_path)
@@ -783,7 +783,7 @@ def main(argv: list[str] | None = None) -> None:
                           "layout) or Hub id (openai/gsm8k)")
     sft_data.add_argument("--out", required=True, help="output JSONL file")
     sft_data.add_argument("--split", default="train", choices=["train", "test"])
-    sft_data.add_argument("--prompt-template", default="reasoning", help="name in prompts/ or a template file")
+    sft_data.add_argument("--prompt-template", default="reasoning", help="name in configs/prompts/ or a template file")
     args = parser.parse_args(argv)
     try:
         data_dir = hub.local_dir(args.data, repo_type="dataset", files=[GSM8K_HUB_FILES], key="--data")

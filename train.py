@@ -59,8 +59,7 @@ def check_inputs(config: TrainConfig, checkpoint_dir: Path | None) -> None:
         inputs.check_writable(key, Path(directory) / (config.run_name or ""))  # no name yet: a new directory in it
 
 
-if __name__ == "__main__":
-    config_lib.check_command_line(read_command_line)
+config_lib.check_command_line(__name__, read_command_line)  # as a script: --help, bad input answered before torch
 
 import torch
 

@@ -103,8 +103,7 @@ def read_pairs(path) -> list[dict]:
     return pairs
 
 
-if __name__ == "__main__":
-    config_lib.check_command_line(read_command_line)
+config_lib.check_command_line(__name__, read_command_line)  # as a script: --help, bad input answered before torch
 
 import torch
 

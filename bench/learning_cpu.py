@@ -1,9 +1,9 @@
 """Does the CPU demo learn on every seed? Runs it from scratch per seed and writes a table.
 
-    uv run bench/learning_cpu.py [--seeds 3] [--jobs 1] [--config config_cpu.yaml] [--out runs/learning_cpu]
+    uv run bench/learning_cpu.py [--seeds 3] [--jobs 1] [--config configs/cpu_demo.yaml] [--out runs/learning_cpu]
                                  [--overlay VARIANT.yaml] [--cache-dir DIR] [--set section.key=value ...]
 
-For each seed S (0 .. N-1, or from --first-seed) it runs the demo's stages as `uv run train.py --config config_cpu.yaml`
+For each seed S (0 .. N-1, or from --first-seed) it runs the demo's stages as `uv run train.py --config configs/cpu_demo.yaml`
 does, with S driving all of them: the CountDown dataset (`--seed S`), the random base model
 (`--seed S`), the SFT warm-up (seed S) and GRPO (seed S: question order and sampling). It then scores
 the SFT model (GRPO's start) and the final GRPO checkpoint on the whole held-out split (task.test_size
@@ -251,7 +251,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=3, help="how many seeds: FIRST .. FIRST+N-1")
     parser.add_argument("--first-seed", type=int, default=0)
-    parser.add_argument("--config", default="config_cpu.yaml")
+    parser.add_argument("--config", default="configs/cpu_demo.yaml")
     parser.add_argument("--overlay", help="YAML of overrides applied to the GRPO stage")
     parser.add_argument("--cache-dir", help="reuse each seed's dataset + SFT model from here (default: under --out)")
     parser.add_argument("--out", default="runs/learning_cpu")

@@ -38,7 +38,7 @@ from bench.report import emit_json
 # Before transformers/TRL are imported anywhere in the worker: nothing may reach the network.
 OFFLINE_ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                        "WANDB_DISABLED": "true", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
-# The CPU demo's base model (config_cpu.yaml's bootstrap) and its CountDown questions.
+# The CPU demo's base model (configs/cpu_demo.yaml's bootstrap) and its CountDown questions.
 MODEL_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2, tokenizer_split="digits", tokenizer_vocab_size=1024)
 QUESTIONS = dict(min_numbers=2, max_numbers=3, min_number=1, max_number=20, min_target=1, max_target=100,

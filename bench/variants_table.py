@@ -1,6 +1,6 @@
 """GRPO variants over seeds on the CPU demo's recipe: one table, resumable (docs/variants.md).
 
-    uv run bench/variants_table.py [--seeds 3] [--first-seed 0] [--config config_cpu.yaml] [--out runs/variants]
+    uv run bench/variants_table.py [--seeds 3] [--first-seed 0] [--config configs/cpu_demo.yaml] [--out runs/variants]
                                    [--variants grpo dapo ...] [--set section.key=value ...]
 
 Per seed, bench/learning_cpu.py builds the seed's dataset, base model and SFT model once (kept in
@@ -150,7 +150,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=3, help="how many seeds: FIRST .. FIRST+N-1")
     parser.add_argument("--first-seed", type=int, default=0)
-    parser.add_argument("--config", default="config_cpu.yaml", help="the recipe every variant runs over")
+    parser.add_argument("--config", default="configs/cpu_demo.yaml", help="the recipe every variant runs over")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), help="configs/variants/ presets to run")
     parser.add_argument("--out", default="runs/variants", help="rows, runs and the seeds' SFT models (the cache)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="GRPO override")

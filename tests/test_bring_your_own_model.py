@@ -137,13 +137,13 @@ def test_gsm8k_sft_on_each_architecture(tmp_path, model_dir, gsm8k_head):
         f"logging.log_dir={logs}", f"checkpoint.dir={tmp_path / 'checkpoints'}", "run_name=sft"]), [])])
     assert sorted(scalars(logs / "sft")["eval/loss"]) == [0, 2]
     assert_loads_in_transformers_with_our_logits(tmp_path / "sft-model")
-    # GSM8K prompts are plain text (prompts/reasoning.txt), so any tokenizer takes them; the response ends with eos.
+    # GSM8K prompts are plain text (configs/prompts/reasoning.txt), so any tokenizer takes them; the response ends with eos.
     config = train_sft.SFTConfig(task=tasks.TaskConfig(name="gsm8k", data_dir=str(gsm8k_data_dir)),
                                  data=SFTDataConfig(max_seq_len=4096, eval_size=8))
     train_examples, _ = train_sft.load_examples(config, Tokenizer(model_dir))
     ids, prompt_length = train_examples[0]
     question = json.loads((gsm8k_data_dir / "train.jsonl").open().readline())["question"]
-    template = (REPO / "prompts" / "reasoning.txt").read_text().removesuffix("\n")
+    template = (REPO / "configs" / "prompts" / "reasoning.txt").read_text().removesuffix("\n")
     reference = AutoTokenizer.from_pretrained(model_dir)
     assert ids[:prompt_length] == reference.encode(template.replace("{question}", question), add_special_tokens=False)
     assert ids[-1] == reference.convert_tokens_to_ids(reference.eos_token)

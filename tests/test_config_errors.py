@@ -95,8 +95,8 @@ def run_main(main, argv: list[str], capsys) -> str:
 
 @pytest.mark.parametrize("override, message", BAD_TRAIN_VALUES)
 def test_bad_training_value_stops_before_any_work(override, message, tmp_path, capsys):
-    # config_cpu.yaml bootstraps its data and model: a late check would have generated them first.
-    err = run_main(train.main, ["--config", "config_cpu.yaml", *isolated_overrides(tmp_path), "--set", override], capsys)
+    # configs/cpu_demo.yaml bootstraps its data and model: a late check would have generated them first.
+    err = run_main(train.main, ["--config", "configs/cpu_demo.yaml", *isolated_overrides(tmp_path), "--set", override], capsys)
     assert err.startswith(f"config error: {message}"), err
     assert err.count("\n") == 1
     assert list(tmp_path.iterdir()) == []
@@ -107,7 +107,7 @@ def test_prompt_limit_no_prompt_fits_is_refused_before_the_bootstrap_works(tmp_p
     # the limit is checked against the shortest prompt the dataset could hold, with the base model's tokenizer.
     overrides = [*isolated_overrides(tmp_path), f"--set=bootstrap.sft_overrides=[model.dir={tmp_path / 'base'}]",
                  "--set=rollout.max_prompt_len=5"]
-    err = run_main(train.main, ["--config", "config_cpu.yaml", *overrides], capsys)
+    err = run_main(train.main, ["--config", "configs/cpu_demo.yaml", *overrides], capsys)
     assert err.startswith("config error: rollout.max_prompt_len: even the shortest prompt of the bootstrap's dataset "
                           "has "), err
     shortest = int(err.split(" has ")[1].split(" ")[0])
@@ -139,7 +139,7 @@ def test_bad_sft_value_stops_before_any_work(override, message, tmp_path, capsys
     paths = [f"--set=model.dir={tmp_path / 'model'}", f"--set=output_dir={tmp_path / 'out'}",
              f"--set=logging.log_dir={tmp_path / 'logs'}"]
     overrides = sum((["--set", assignment] for assignment in override.split(" ")), [])
-    err = run_main(train_sft.main, ["--config", "config_cpu_sft.yaml", *paths, *overrides], capsys)
+    err = run_main(train_sft.main, ["--config", "configs/cpu_demo_sft.yaml", *paths, *overrides], capsys)
     assert err.startswith(f"config error: {message}"), err
     assert list(tmp_path.iterdir()) == []
 
@@ -184,18 +184,18 @@ def test_paths_expand_home_and_environment_variables(tmp_path, monkeypatch):
 def test_ablate_reports_a_bad_value_in_one_line(tmp_path, capsys):
     (tmp_path / "experiments").mkdir()
     (tmp_path / "experiments" / "neg.yaml").write_text("optim:\n  max_grad_norm: -1\n")
-    err = run_main(ablate.main, [str(tmp_path / "experiments"), "--base", "config_cpu.yaml",
+    err = run_main(ablate.main, [str(tmp_path / "experiments"), "--base", "configs/cpu_demo.yaml",
                                  "--out", str(tmp_path / "out")], capsys)
     assert err == f"config error: {tmp_path / 'experiments' / 'neg.yaml'}: optim.max_grad_norm: must be in (0, 10000], got -1.0\n"
     assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("script, arguments, message", [
-    ("train.py", ["--config", "config_cpu.yaml", "--set", "optim.max_grad_norm=-1"],
+    ("train.py", ["--config", "configs/cpu_demo.yaml", "--set", "optim.max_grad_norm=-1"],
      "config error: optim.max_grad_norm: must be in (0, 10000], got -1.0\n"),
-    ("train.py", ["--config", "config_cpu.yaml", "--set", "run_name=../escape"],
+    ("train.py", ["--config", "configs/cpu_demo.yaml", "--set", "run_name=../escape"],
      "config error: run_name: must be a plain name (no '/', '\\' or '..'; it names one directory), got '../escape'\n"),
-    ("train_sft.py", ["--config", "config_cpu_sft.yaml", "--set", "optim.learning_rate=-1"],
+    ("train_sft.py", ["--config", "configs/cpu_demo_sft.yaml", "--set", "optim.learning_rate=-1"],
      "config error: optim.learning_rate: must be in (0, 1], got -1.0\n"),
     ("evaluate.py", ["--set", "eval.num_samples=0"], "config error: eval.num_samples: must be >= 1, got 0\n"),
 ])
@@ -239,10 +239,10 @@ def test_config_module_imports_nothing_heavy():
     ("evaluate.py", ["--help"], "usage: evaluate.py"),
     ("ablate.py", ["--help"], "usage: ablate.py"),
     ("train.py", ["--set", "optim.learning_rate=-1"], "config error: optim.learning_rate: must be in (0, 1], got -1.0\n"),
-    ("train.py", ["--config", "config_cpu.yaml", "--set", "loss.clip_range=2"],
+    ("train.py", ["--config", "configs/cpu_demo.yaml", "--set", "loss.clip_range=2"],
      "config error: loss.clip_range: must be in (0, 1), got 2.0\n"),
     ("train.py", ["--resume", "no/such/run"], "checkpoint error: --resume no/such/run: no such directory"),
-    ("train_sft.py", ["--config", "config_cpu_sft.yaml", "--set", "optim.batch_size=0"],
+    ("train_sft.py", ["--config", "configs/cpu_demo_sft.yaml", "--set", "optim.batch_size=0"],
      "config error: optim.batch_size: must be >= 1, got 0\n"),
     ("evaluate.py", ["--model", "m", "--data", "d", "--set", "eval.top_p=0"],
      "config error: eval.top_p: must be in (0, 1], got 0.0\n"),
@@ -259,7 +259,7 @@ def test_ablate_config_error_comes_before_torch_loads(tmp_path):
     (tmp_path / "experiments").mkdir()
     (tmp_path / "experiments" / "neg.yaml").write_text("optim:\n  max_grad_norm: -1\n")
     result = run_without_heavy_packages(RUN_SCRIPT, "ablate.py", str(tmp_path / "experiments"), "--base",
-                                        "config_cpu.yaml", "--out", str(tmp_path / "out"))
+                                        "configs/cpu_demo.yaml", "--out", str(tmp_path / "out"))
     assert result.returncode == 2, result.stderr
     assert result.stderr == (f"config error: {tmp_path / 'experiments' / 'neg.yaml'}: optim.max_grad_norm: "
                              "must be in (0, 10000], got -1.0\n")

@@ -1,4 +1,4 @@
-"""The CPU demo's commands, shortened: `train.py --config config_cpu.yaml` from nothing (dataset, base
+"""The CPU demo's commands, shortened: `train.py --config configs/cpu_demo.yaml` from nothing (dataset, base
 model, SFT warm-up, GRPO), greedy `evaluate.py` on its final checkpoint, and bench/learning_cpu.py."""
 
 import json
@@ -39,7 +39,7 @@ def test_shortened_demo_learns_and_its_checkpoint_evaluates_greedily(tmp_path):
         f" checkpoint.dir={tmp_path / 'checkpoints'},"
         " optim.num_steps=300, optim.stop_at_success=null, eval.interval=0, progress=false, cpu_threads=1]",
     ]
-    run_script("train.py", "--config", "config_cpu.yaml", *set_flags(overrides))
+    run_script("train.py", "--config", "configs/cpu_demo.yaml", *set_flags(overrides))
 
     events = EventAccumulator(str(tmp_path / "logs" / "cpu-demo")).Reload()
     success = {event.step: event.value for event in events.Scalars("eval/success_rate")}
@@ -106,7 +106,7 @@ def test_variants_table_starts_every_variant_from_the_seeds_sft_model_and_resume
     assert sorted(paths) == ["dapo-s0", "grpo-s0", "grpo_same_compute-s0"]
     rows = {name: json.loads(path.read_text()) for name, path in paths.items()}
     assert len({row["result"]["sft_model"] for row in rows.values()}) == 1 and len(list((out / "cache").iterdir())) == 1
-    assert rows["grpo-s0"]["grpo_config"]["loss"]["kl_beta"] == 0.0  # the preset's, not config_cpu.yaml's 0.05
+    assert rows["grpo-s0"]["grpo_config"]["loss"]["kl_beta"] == 0.0  # the preset's, not configs/cpu_demo.yaml's 0.05
     assert rows["grpo-s0"]["answers_sampled"] == 2 * 16  # 2 steps of 16 answers
     assert rows["dapo-s0"]["grpo_config"]["rollout"]["dynamic_sampling"]
     # The control: plain GRPO with as many 16-answer steps as it takes to sample what the costlier variant did.

@@ -28,7 +28,7 @@ from test_train import countdown_dir, digit_reward, read_scalars, tiny_config  #
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = REPO_ROOT / "configs" / "variants"
-BASES = ["config.yaml", "config_24GB.yaml", "config_cpu.yaml", "configs/gsm8k.yaml"]
+BASES = ["config.yaml", "config_24GB.yaml", "configs/cpu_demo.yaml", "configs/gsm8k.yaml"]
 # What defines an algorithm, so what every preset states: the whole loss section, dynamic sampling and
 # overlong filtering.
 ALGORITHM_KEYS = sorted({f"loss.{field.name}" for field in dataclasses.fields(LossConfig)}
@@ -558,7 +558,7 @@ def test_bad_variant_value_stops_train_py_with_a_config_error(capsys):
                                 ("rollout.dynamic_sampling_max_rounds=0",
                                  "config error: rollout.dynamic_sampling_max_rounds: must be >= 1")):
         with pytest.raises(SystemExit) as stopped:
-            train.main(["--config", "config_cpu.yaml", "--set", assignment])
+            train.main(["--config", "configs/cpu_demo.yaml", "--set", assignment])
         assert stopped.value.code == 2
         assert message in capsys.readouterr().err
 
@@ -589,7 +589,7 @@ def test_every_preset_states_its_whole_algorithm_and_means_it_over_any_base(base
     assert resolved["dapo"]["loss.kl_beta"] == 0 and resolved["dapo"]["rollout.dynamic_sampling_max_rounds"] == 3
     for name in ("gspo", "dr_grpo", "grpo"):
         assert not resolved[name]["rollout.dynamic_sampling"] and resolved[name]["loss.kl_beta"] == 0
-    if base == "config_cpu.yaml":  # the suite's table lists what a preset changes in this base: the demo's recipe undone
+    if base == "configs/cpu_demo.yaml":  # the suite's table lists what a preset changes in this base: the demo's recipe undone
         assert experiments["grpo"].differences == {
             "rollout.dynamic_sampling": False, "rollout.dynamic_sampling_max_rounds": 3, "loss.epochs_per_rollout": 1,
             "loss.clip": "none", "loss.clip_range_high": None, "loss.kl_beta": 0.0}

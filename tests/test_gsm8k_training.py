@@ -83,7 +83,7 @@ def test_grpo_run_grades_gsm8k_logs_evaluations_and_saves_a_checkpoint(tmp_path,
     first_eval, rollouts, last_eval = recorded_rewards[:3], recorded_rewards[3:11], recorded_rewards[11:]
     test_rows = gsm8k_rows(gsm8k_sample_dir, "test")
     train_questions = {row["question"] for row in gsm8k_rows(gsm8k_sample_dir, "train")}
-    template = (CONFIGS.parent / "prompts" / "reasoning.txt").read_text().removesuffix("\n")
+    template = (CONFIGS / "prompts" / "reasoning.txt").read_text().removesuffix("\n")
     for call, row in zip(last_eval, test_rows):
         assert call["item"]["prompt"] == template.replace("{question}", row["question"])
         assert call["item"]["answer"] == row["answer"].rpartition("####")[2].strip().replace(",", "")

@@ -71,7 +71,7 @@ def test_ablate_locks_its_output_directory(tmp_path, capsys):
     (tmp_path / "out" / "logs" / "a").mkdir(parents=True)  # the first suite's live run
     try:
         with pytest.raises(SystemExit) as exit_info:
-            ablate.main([str(tmp_path / "experiments"), "--base", "config_cpu.yaml", "--out", str(tmp_path / "out")])
+            ablate.main([str(tmp_path / "experiments"), "--base", "configs/cpu_demo.yaml", "--out", str(tmp_path / "out")])
     finally:
         holder.stdin.close()
         holder.wait()
@@ -182,7 +182,7 @@ def test_resume_writes_into_the_resumed_runs_directory_and_keeps_last(tmp_path, 
 
 
 def test_bootstrap_builds_only_its_own_paths(tmp_path, tiny_model_dir, countdown_dir):
-    demo = config_lib.load(train.TrainConfig, "config_cpu.yaml", [
+    demo = config_lib.load(train.TrainConfig, "configs/cpu_demo.yaml", [
         f"bootstrap.data_dir={tmp_path / 'data'}", f"bootstrap.model_dir={tmp_path / 'model'}",
         f"task.data_dir={countdown_dir}", f"model.dir={tmp_path / 'modle'}"])  # a typo in model.dir
     with pytest.raises(bootstrap.MissingInputError, match=r"model.dir: model directory '.*modle' does not exist\. "
@@ -196,7 +196,7 @@ def test_bootstrap_builds_only_its_own_paths(tmp_path, tiny_model_dir, countdown
         bootstrap.prepare_missing_inputs(demo.bootstrap, demo.task, demo.model)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     with pytest.raises(config_lib.ConfigError, match="bootstrap.model_dir: must name the directory that sft_config"):
-        config_lib.load(train.TrainConfig, "config_cpu.yaml", ["bootstrap.model_dir=null"])
+        config_lib.load(train.TrainConfig, "configs/cpu_demo.yaml", ["bootstrap.model_dir=null"])
 
 
 def test_train_reports_a_missing_model_in_one_line_before_creating_anything(tmp_path, tiny_model_dir, countdown_dir,
@@ -306,7 +306,7 @@ def test_sft_runs_of_one_name_never_share_a_log_directory(tmp_path, tiny_model_d
     assert holder.stdout.readline() == "locked\n"
     try:
         with pytest.raises(SystemExit) as exit_info:
-            train_sft.main(["--config", "config_cpu_sft.yaml", f"--set=model.dir={tiny_model_dir}", "--set=run_name=sft-x",
+            train_sft.main(["--config", "configs/cpu_demo_sft.yaml", f"--set=model.dir={tiny_model_dir}", "--set=run_name=sft-x",
                             f"--set=task.data_dir={countdown_dir}", f"--set=logging.log_dir={tmp_path / 'logs'}",
                             f"--set=output_dir={tmp_path / 'out'}", f"--set=checkpoint.dir={tmp_path / 'checkpoints'}",
                             f"--set=data.train_jsonl={tmp_path / 'pairs.jsonl'}",
