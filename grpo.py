@@ -355,7 +355,8 @@ def update_policy(
                         entropy_threshold=entropy_threshold)
                     if config.kl_beta:
                         with torch.no_grad():
-                            reference = answer_log_probs(reference_model, scored, optim.logprob_chunk_size)[0]
+                            reference, _ = answer_log_probs(reference_model, scored, optim.logprob_chunk_size,
+                                                            with_entropy=False)
                         # Padding positions get the policy's own value (KL 0), so a far-off reference
                         # there cannot overflow exp() into inf x 0 = NaN.
                         reference_log_probs[batch_number] = torch.where(mask, reference, log_probs.detach())

@@ -389,13 +389,13 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, positions=None, kv_cache: KVCache | None = None, *,
                 logits_at: torch.Tensor | None = None, targets: torch.Tensor | None = None,
                 target_positions: torch.Tensor | None = None, prefix: torch.Tensor | None = None,
-                logprob_chunk_size: int = 256):
+                logprob_chunk_size: int = 256, with_entropy: bool = True):
         """Logits [batch, seq, vocab] in the model's dtype, or what a caller needs instead of all of them:
 
         logits_at [batch]: only the logits at each row's given position, [batch, vocab] (prefill).
         targets: (log p(targets), entropy) in float32, computed chunk by chunk without the whole logits
         tensor (the update; see logprobs.py). targets [batch, seq] are predicted at every position, or
-        targets [batch, n] at target_positions [batch, n] only.
+        targets [batch, n] at target_positions [batch, n] only. with_entropy=False: entropy is None.
         prefix [1, L]: tokens every row continues (a shared prompt), run once; see hidden_states_after_prefix.
         """
         if prefix is not None:
@@ -405,7 +405,7 @@ class Transformer(nn.Module):
         if targets is not None:
             if target_positions is not None:
                 hidden = hidden.gather(1, target_positions[..., None].expand(-1, -1, hidden.shape[-1]))
-            return chunked_token_log_probs(hidden, targets, self.lm_head.weight, logprob_chunk_size)
+            return chunked_token_log_probs(hidden, targets, self.lm_head.weight, logprob_chunk_size, with_entropy)
         if logits_at is not None:
             hidden = hidden[torch.arange(len(hidden), device=hidden.device), logits_at]
         return self.lm_head(hidden)

@@ -165,7 +165,7 @@ def response_nll(model, examples, pad_token_id: int, chunk_size: int) -> tuple[t
     """Summed NLL of the response tokens of `examples`, and how many tokens that is."""
     scored = answer_batch([ids for ids, _ in examples], [prompt_length for _, prompt_length in examples],
                           pad_token_id, next(model.parameters()).device)
-    log_probs, _ = answer_log_probs(model, scored, chunk_size)
+    log_probs, _ = answer_log_probs(model, scored, chunk_size, with_entropy=False)
     mask = scored.mask
     # The count from the host's lists: reading mask.sum() would wait for the device.
     return -(log_probs * mask).sum(), sum(len(ids) - prompt_length for ids, prompt_length in examples)

@@ -60,7 +60,8 @@ def train_args(paths, *overrides: str) -> list[str]:
 
 def sft_args(paths, *overrides: str) -> list[str]:
     sets = [f"model.dir={paths.model}", f"task.data_dir={paths.data}", f"logging.log_dir={paths.tmp / 'logs'}",
-            f"output_dir={paths.tmp / 'sft-out'}", "task.test_size=4", "data.eval_size=8", "device=cpu",
+            f"output_dir={paths.tmp / 'sft-out'}", f"checkpoint.dir={paths.tmp / 'checkpoints'}", "task.test_size=4",
+            "data.eval_size=8", "device=cpu",
             "optim.stop_at_success=null", *overrides]
     return ["train_sft.py", "--config", "configs/cpu_demo_sft.yaml", *(a for s in sets for a in ("--set", s))]
 
