@@ -26,7 +26,7 @@ class ChunkLogProbs(torch.autograd.Function):
         log_normaliser = logits.logsumexp(dim=-1, keepdim=True)
         log_probs = logits.sub_(log_normaliser)  # in place: one vocabulary-sized fp32 tensor at a time
         target_log_probs = log_probs.gather(-1, targets[..., None]).squeeze(-1)
-        entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None
+        entropy = -log_probs.exp().mul_(log_probs).sum(-1) if with_entropy else None  # no third vocab-sized tensor
         ctx.save_for_backward(hidden, targets, lm_head_weight, log_normaliser)
         ctx.mark_non_differentiable(*([entropy] if with_entropy else []))
         return target_log_probs, entropy
