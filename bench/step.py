@@ -23,7 +23,6 @@ The SmolLM2 recipe needs its SFT model (GRPO from the base model sees no reward 
 import argparse
 import functools
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -154,7 +153,7 @@ def run_child(tree: Path, args: argparse.Namespace, count_flops: bool) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure(trees: dict[str, Path], args: argparse.Namespace, limit: float) -> dict[str, dict]:
+def measure(trees: dict[str, Path], args: argparse.Namespace) -> dict[str, dict]:
     timings: dict[str, list[dict]] = {label: [] for label in trees}
     for round_index in range(args.rounds):  # interleaved, so a slow spell of the machine hits every tree
         for label, tree in trees.items():
@@ -164,10 +163,9 @@ def measure(trees: dict[str, Path], args: argparse.Namespace, limit: float) -> d
     for label, tree in trees.items():
         flops = run_child(tree, args, count_flops=True)["flops"]
         runs = timings[label]
-        median = statistics.median_low(runs, key=lambda run: run["step_seconds"]) if len(runs) > 1 else runs[0]
+        median = sorted(runs, key=lambda run: run["step_seconds"])[(len(runs) - 1) // 2]  # a run, not an average
         results[label] = {"step_seconds": median["step_seconds"], "stages": median["stages"],
-                          "step_seconds_all": [run["step_seconds"] for run in runs], "gflops_per_step": flops / 1e9,
-                          "fraction_of_limit": flops / 1e9 / median["step_seconds"] / limit}
+                          "step_seconds_all": [run["step_seconds"] for run in runs], "gflops_per_step": flops / 1e9}
     return results
 
 
@@ -226,7 +224,7 @@ def main() -> None:
                 (Path(scratch) / "tree" / "artifacts").symlink_to(REPO / "artifacts")
         try:
             limit_before = matmul_limit_gflops(threads)
-            results = measure(trees, args, limit_before)
+            results = measure(trees, args)
             limit = max(limit_before, matmul_limit_gflops(threads))
         finally:
             if args.compare:
