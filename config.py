@@ -263,6 +263,10 @@ class LossConfig:
     std_scope: Literal["group", "batch"] = "group"  # whose reward std divides the advantages
     overlong_buffer_fraction: float = 0.0  # DAPO's soft overlong penalty ramps over this last part of max_gen_len
     overlong_penalty_factor: float = 1.0  # the reward taken off an answer of max_gen_len tokens
+    # The share of the task's format reward the update sees (the logged rewards stay the task's). 0 once an SFT
+    # warm-up has taught the format: a group whose answers differ only in format then teaches nothing, where
+    # AdamW would otherwise take a full-sized step towards formatted guesses
+    format_reward_weight: float = 1.0
     kl_beta: float = 0.0  # weight of the k3 KL to the frozen initial policy; 0: no reference model
     sapo_tau_positive: float = 1.0  # SAPO's gate temperature for answers with advantage > 0 (larger: a narrower gate)
     sapo_tau_negative: float = 1.05  # and for the others
@@ -280,6 +284,7 @@ class LossConfig:
               "needs loss.clip: ppo or cispo (elsewhere it does nothing)", self.clip_range_high)
         within(self, "overlong_buffer_fraction", 0, 1, "[)")
         within(self, "overlong_penalty_factor", 0, 10, "(]")  # rewards are at most ~1: 10 x that is already absurd
+        within(self, "format_reward_weight", 0, 1)  # above 1 the format would outweigh what it is for
         within(self, "kl_beta", 0, 10)  # 0: no KL term, no reference model; 10 already pins the policy
         within(self, "sapo_tau_positive", 0, 100, "(]")
         within(self, "sapo_tau_negative", 0, 100, "(]")

@@ -443,13 +443,17 @@ def overlong_penalty(num_tokens: int, max_gen_len: int, config: LossConfig) -> f
     return config.overlong_penalty_factor * min(max(num_tokens - (max_gen_len - buffer), 0) / buffer, 1.0)
 
 
-def apply_overlong_penalty(episodes: list[Episode], max_gen_len: int, config: LossConfig) -> list[Episode]:
-    """The episodes with their length penalty taken off the reward (and kept in reward_info)."""
+def shape_rewards(episodes: list[Episode], max_gen_len: int, config: LossConfig) -> list[Episode]:
+    """The rewards the update sees: the task's, with its format reward weighted by config.format_reward_weight
+    and DAPO's overlong penalty taken off (kept in reward_info). The inputs are left as they are."""
     shaped = []
     for episode in episodes:
+        format_discount = (1 - config.format_reward_weight) * episode.reward_info["format_reward"]
         penalty = overlong_penalty(episode.num_generated_tokens, max_gen_len, config)
-        shaped.append(dataclasses.replace(episode, reward=episode.reward - penalty,
-                                          reward_info={**episode.reward_info, "overlong_penalty": penalty}))
+        info = dict(episode.reward_info)
+        if config.overlong_buffer_fraction:
+            info["overlong_penalty"] = penalty
+        shaped.append(dataclasses.replace(episode, reward=episode.reward - format_discount - penalty, reward_info=info))
     return shaped
 
 

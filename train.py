@@ -67,7 +67,7 @@ import distributed
 import tasks
 from data_types import Episode, QuestionBatch
 from evaluate import run_evaluation
-from grpo import apply_overlong_penalty, compute_advantages, overlong_penalty, rollout, sample_step, update_policy
+from grpo import compute_advantages, overlong_penalty, rollout, sample_step, shape_rewards, update_policy
 from optimizer import new_adamw
 from run_logging import RunLogger, log_to_console, progress_bar
 from runtime import (RunStopped, StopRequest, exit_on_interrupt, load_model, load_policy, name_run,
@@ -264,10 +264,11 @@ def question_batch(train_set, step: int, config: TrainConfig, round_index: int =
 
 
 def episodes_to_train(episodes: list[Episode], config: TrainConfig) -> list[Episode]:
-    """The step's episodes as the update sees them: DAPO's overlong penalty shaped into the reward (the logged
-    rewards stay the task's), and unfinished ones left out with optim.skip_unfinished_episodes."""
-    if config.loss.overlong_buffer_fraction:
-        episodes = apply_overlong_penalty(episodes, config.rollout.max_gen_len, config.loss)
+    """The step's episodes as the update sees them: the format reward weighted and DAPO's overlong penalty
+    shaped into the reward (the logged rewards stay the task's; dynamic sampling, as DAPO's, judges groups by
+    them too), and unfinished ones left out with optim.skip_unfinished_episodes."""
+    if config.loss.overlong_buffer_fraction or config.loss.format_reward_weight != 1:
+        episodes = shape_rewards(episodes, config.rollout.max_gen_len, config.loss)
     if config.optim.skip_unfinished_episodes:
         episodes = [e for e in episodes if e.is_finished]
     return episodes

@@ -18,7 +18,7 @@ import config as config_lib
 from config import ConfigError
 from data_types import Episode
 from distributed import OptimizerStep
-from grpo import (LossConfig, apply_overlong_penalty, compute_advantages, high_entropy_threshold, k3_kl, overlong_penalty,
+from grpo import (LossConfig, shape_rewards, compute_advantages, high_entropy_threshold, k3_kl, overlong_penalty,
                   sample_informative_groups, surrogate_token_losses, update_policy, whiten_advantages)
 from qwen2_model import Transformer
 from config import OptimConfig
@@ -40,7 +40,8 @@ PLAIN_GRPO = {
     "loss.advantage_eps": 1e-4, "loss.aggregation": "token", "loss.aggregation_constant": None,
     "loss.epochs_per_rollout": 1, "loss.clip": "none", "loss.clip_range": 0.2, "loss.clip_range_high": None,
     "loss.importance_sampling": "token", "loss.std_scope": "group", "loss.overlong_buffer_fraction": 0.0,
-    "loss.overlong_penalty_factor": 1.0, "loss.kl_beta": 0.0, "loss.sapo_tau_positive": 1.0,
+    "loss.overlong_penalty_factor": 1.0, "loss.format_reward_weight": 1.0, "loss.kl_beta": 0.0,
+    "loss.sapo_tau_positive": 1.0,
     "loss.sapo_tau_negative": 1.05, "loss.whiten_advantages": False, "loss.top_entropy_fraction": None,
     "loss.sampler_is_cap": None,
 }
@@ -300,7 +301,7 @@ def test_overlong_penalty_ramps_linearly_over_the_last_tokens(num_tokens, penalt
 
 def test_overlong_penalty_comes_off_the_reward_and_is_recorded():
     episodes = [make_episode(0, 1.1, num_tokens=10), make_episode(0, 1.1, num_tokens=60)]
-    shaped = apply_overlong_penalty(episodes, 64, LossConfig(overlong_buffer_fraction=0.25))
+    shaped = shape_rewards(episodes, 64, LossConfig(overlong_buffer_fraction=0.25))
     assert [e.reward for e in shaped] == pytest.approx([1.1, 1.1 - 0.75])
     assert [e.reward_info for e in shaped] == [{"format_reward": 0.1, "overlong_penalty": 0.0},
                                                {"format_reward": 0.1, "overlong_penalty": 0.75}]
@@ -526,6 +527,22 @@ def test_dynamic_sampling_cap_trains_on_what_it_has(caplog):
     assert "1 of 2 groups" in caplog.text
 
 
+@pytest.mark.parametrize("weight, rewards", [(1.0, [1.1, 0.1, 0.0, 0.1, 0.0]), (0.5, [1.05, 0.05, 0.0, 0.05, 0.0]),
+                                             (0.0, [1.0, 0.0, 0.0, 0.0, 0.0])])
+def test_format_reward_weight_scales_only_the_format_part(weight, rewards):
+    # Group 0: correct and formatted, formatted but wrong, unformatted; group 1 differs only in format.
+    parts = [(0, 0.1, 1.0), (0, 0.1, 0.0), (0, 0.0, 0.0), (1, 0.1, 0.0), (1, 0.0, 0.0)]
+    episodes = [dataclasses.replace(make_episode(question, fmt + answer), reward_info={"format_reward": fmt,
+                                                                                        "answer_reward": answer})
+                for question, fmt, answer in parts]
+    shaped = shape_rewards(episodes, 64, LossConfig(format_reward_weight=weight))
+    assert [e.reward for e in shaped] == pytest.approx(rewards)
+    assert [e.reward_info for e in shaped] == [e.reward_info for e in episodes]  # the task's parts, as logged
+    if weight == 0.0:  # the format-only group teaches nothing; group 0's advantages come from the answer alone
+        advantages = compute_advantages(shaped, LossConfig(std_normalization=False))
+        assert advantages == pytest.approx([2 / 3, -1 / 3, -1 / 3, 0.0, 0.0])
+
+
 # ----------------------------------------------------------------------------- validation
 
 
@@ -536,6 +553,8 @@ def test_dynamic_sampling_cap_trains_on_what_it_has(caplog):
     ({"overlong_buffer_fraction": -0.1}, "loss.overlong_buffer_fraction"),
     ({"overlong_buffer_fraction": 1.0}, "loss.overlong_buffer_fraction"),
     ({"overlong_penalty_factor": 0.0}, "loss.overlong_penalty_factor"),
+    ({"format_reward_weight": -0.1}, "loss.format_reward_weight"),
+    ({"format_reward_weight": 1.5}, "loss.format_reward_weight"),
     ({"kl_beta": -0.01}, "loss.kl_beta"),
     ({"epochs_per_rollout": 0}, "loss.epochs_per_rollout"),
     ({"clip": "sapo", "clip_range_high": 0.28}, "loss.clip: ppo or cispo"),
