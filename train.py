@@ -267,8 +267,7 @@ def episodes_to_train(episodes: list[Episode], config: TrainConfig) -> list[Epis
     """The step's episodes as the update sees them: the format reward weighted and DAPO's overlong penalty
     shaped into the reward (the logged rewards stay the task's; dynamic sampling, as DAPO's, judges groups by
     them too), and unfinished ones left out with optim.skip_unfinished_episodes."""
-    if config.loss.overlong_buffer_fraction or config.loss.format_reward_weight != 1:
-        episodes = shape_rewards(episodes, config.rollout.max_gen_len, config.loss)
+    episodes = shape_rewards(episodes, config.rollout.max_gen_len, config.loss)
     if config.optim.skip_unfinished_episodes:
         episodes = [e for e in episodes if e.is_finished]
     return episodes
