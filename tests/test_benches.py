@@ -183,3 +183,30 @@ def test_variants_table_gives_mean_min_max_over_seeds(tmp_path):
         "| dapo | 0,1 | 39.0 [38.0, 40.0] | 45.0 [40.0, 50.0] | +6.0 [+2.0, +10.0] | 49.0 [48.0, 50.0] "
         "| 52.0 [47.0, 57.0] | +3.0 [-1.0, +7.0] | 250 [200, 300] | 4 [4, 4] | 150 [100, 200] |",
     ]
+
+def answer(expression: str) -> str:
+    return f" some thoughts </think>\n<answer> {expression} </answer>"
+
+
+def test_answer_form_writes_the_numbers_by_their_place_in_the_prompt():
+    from bench.real_model_cpu import answer_form
+    assert answer_form(answer("34 + 66 - 10"), [34, 66, 10]) == "a+b-c"
+    assert answer_form(answer("(10 - 66) * 34"), [34, 66, 10]) == "(c-b)*a"
+    assert answer_form(answer("20 + 6 - 6"), [20, 6, 6]) == "a+b-c"  # a repeated number: first unused place
+    assert answer_form(answer("34 + 7"), [34, 66, 10]) == "a+7"  # a number not in the question stays
+    assert answer_form(" 34 + 66 - 10 </think>", [34, 66, 10]) is None
+
+
+def test_shortcut_check_scores_the_most_common_form_on_every_question():
+    from bench.real_model_cpu import shortcut_check
+    questions = [([1, 2, 3], 0), ([5, 5, 2], 8), ([4, 3, 2], 9), ([10, 2, 3], 4)]  # a + b - c: 0, 8, 5, 9
+    responses = [answer("1 + 2 - 3"), answer("5 + 5 - 2"), answer("4 + 3 - 2"), answer("10 - 2 * 3")]
+    samples = [{"nums": nums, "target": target, "response": response}
+               for (nums, target), response in zip(questions, responses)]
+    # The answers solve 3 of 4 (the last one is not the form); the form alone solves 2 of 4.
+    assert shortcut_check(samples) == {"top_form": "a+b-c", "top_form_share": 0.75, "top_form_success": 0.5}
+    # A form that is not an expression of the places (words, or no answer at all) solves nothing.
+    worded = [{**sample, "response": answer("a plus b")} for sample in samples]
+    assert shortcut_check(worded)["top_form_success"] == 0
+    unanswered = [{**sample, "response": " no answer"} for sample in samples]
+    assert shortcut_check(unanswered) == {"top_form": None, "top_form_share": 1.0, "top_form_success": 0}
