@@ -6,6 +6,7 @@ bench/learning_cpu.py draws the README's figure with it: every seed's curve, the
 """
 
 import argparse
+import logging
 
 import matplotlib
 
@@ -14,6 +15,8 @@ import matplotlib.pyplot as plt
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 SUCCESS_TAG = "eval/success_rate"
+# Its directory watcher logs "No path found after <events file>" at INFO, which the benches' console shows.
+logging.getLogger("tensorboard").setLevel(logging.WARNING)
 
 
 def read_scalars(logdir: str) -> dict[str, tuple[list[int], list[float]]]:

@@ -210,3 +210,15 @@ def test_shortcut_check_scores_the_most_common_form_on_every_question():
     assert shortcut_check(worded)["top_form_success"] == 0
     unanswered = [{**sample, "response": " no answer"} for sample in samples]
     assert shortcut_check(unanswered) == {"top_form": None, "top_form_share": 1.0, "top_form_success": 0}
+
+
+def test_read_scalars_reads_a_run_without_tensorboards_info_lines(tmp_path, caplog):
+    from torch.utils.tensorboard import SummaryWriter
+
+    from bench.plot_curves import read_scalars
+    with SummaryWriter(tmp_path) as writer:
+        for step, value in ((0, 0.25), (10, 0.5)):
+            writer.add_scalar("eval/success_rate", value, step)
+    caplog.set_level("INFO")
+    assert read_scalars(str(tmp_path)) == {"eval/success_rate": ([0, 10], [0.25, 0.5])}
+    assert not [record for record in caplog.records if record.name.startswith("tensorboard")]
