@@ -153,7 +153,8 @@ COLUMNS = [("SFT greedy", "sft_greedy", 100, "{:.1f}"), ("final greedy", "final_
            ("gain greedy", "gain_greedy", 100, "{:+.1f}"), ("SFT T=1", "sft_t1", 100, "{:.1f}"),
            ("final T=1", "final_t1", 100, "{:.1f}"), ("gain T=1", "gain_t1", 100, "{:+.1f}"),
            ("top form share", "final_top_form_share", 100, "{:.0f}"),
-           ("top form alone", "final_top_form_success", 100, "{:.1f}"), ("minutes", "seconds", 1 / 60, "{:.1f}"), ("peak RSS MiB", "peak_rss_mib", 1, "{:.0f}")]
+           ("top form alone", "final_top_form_success", 100, "{:.1f}"),
+           ("minutes", "seconds", 1 / 60, "{:.1f}"), ("peak RSS MiB", "peak_rss_mib", 1, "{:.0f}")]
 
 
 def markdown_table(results: list[dict]) -> str:
