@@ -273,15 +273,15 @@ class Attention(nn.Module):
         return self.output(F.scaled_dot_product_attention(
             q, cache_k.transpose(1, 2), cache_v.transpose(1, 2), attn_mask=mask, enable_gqa=True))
 
-    def forward_with_prefix(self, prefix_x, x, prefix_rope, rope, mask):
-        """Attention over a shared prefix [1, L] and the rows continuing it [batch, S]: every row attends to
-        the prefix's keys and values, computed once (expand is a view; backward sums the rows' gradients)."""
+    def forward_with_prefix(self, prefix_x, x, prefix_rope, rope, mask, prefix_index):
+        """Attention over prefixes [P, L] and the rows continuing them [batch, S] (row b continues prefix
+        prefix_index[b]): each row attends to its prefix's keys and values, computed once per prefix
+        (backward sums the rows' gradients into them)."""
         prefix_q, prefix_k, prefix_v = self.queries_keys_values(prefix_x, *prefix_rope)
         q, k, v = self.queries_keys_values(x, *rope)
         prefix_out = F.scaled_dot_product_attention(prefix_q, prefix_k, prefix_v, is_causal=True, enable_gqa=True)
-        batch = x.shape[0]
-        keys = torch.cat([prefix_k.expand(batch, -1, -1, -1), k], dim=2)
-        values = torch.cat([prefix_v.expand(batch, -1, -1, -1), v], dim=2)
+        keys = torch.cat([prefix_k[prefix_index], k], dim=2)
+        values = torch.cat([prefix_v[prefix_index], v], dim=2)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return self.output(prefix_out), self.output(out)
 
@@ -306,16 +306,16 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, layer_cache=None, positions=None, mask=None, prefix=None):
-        """prefix (its hidden states, (cos, sin)): also run a shared prefix that the rows of x continue and
-        return both (see forward_with_prefix). One forward for both, so wrappers' hooks (FSDP) run."""
+        """prefix (its hidden states, (cos, sin), each row's prefix): also run the prefixes that the rows of x
+        continue and return both (see forward_with_prefix). One forward for both, so wrappers' hooks (FSDP) run."""
         if prefix is not None:
             return self.forward_with_prefix(*prefix, x, (cos, sin), mask)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_cache, positions, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_with_prefix(self, prefix_x, prefix_rope, x, rope, mask):
+    def forward_with_prefix(self, prefix_x, prefix_rope, prefix_index, x, rope, mask):
         prefix_attended, attended = self.self_attn.forward_with_prefix(
-            self.input_layernorm(prefix_x), self.input_layernorm(x), prefix_rope, rope, mask)
+            self.input_layernorm(prefix_x), self.input_layernorm(x), prefix_rope, rope, mask, prefix_index)
         prefix_x, x = prefix_x + prefix_attended, x + attended
         return prefix_x + self.mlp(self.post_attention_layernorm(prefix_x)), x + self.mlp(self.post_attention_layernorm(x))
 
@@ -368,27 +368,33 @@ class Transformer(nn.Module):
                 x = layer(x, cos, sin)
         return self.norm(x)
 
-    def hidden_states_after_prefix(self, prefix: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [batch, seq, hidden] of rows that all continue one shared prefix [1, L]:
-        the same values as a causal forward over each row's prefix + tokens, with the prefix run once."""
-        prefix_length, seq = prefix.shape[1], tokens.shape[1]
+    def hidden_states_after_prefix(self, prefixes: torch.Tensor, prefix_lengths: torch.Tensor,
+                                   prefix_index: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [batch, seq, hidden] of rows that continue prefixes [P, L] (right-padded to
+        prefix_lengths [P]; row b continues prefix_index[b]): the same values as a causal forward over each
+        row's prefix + tokens, with each prefix run once."""
+        prefix_length, (batch, seq) = prefixes.shape[1], tokens.shape
         inv_freq = rope_inverse_frequencies(self.config, tokens.device)
-        prefix_x, x = self.embed_tokens(prefix), self.embed_tokens(tokens)
-        positions = torch.arange(prefix_length + seq, device=tokens.device)
-        prefix_rope = rotary_cos_sin(positions[None, :prefix_length], inv_freq, x.dtype)
-        rope = rotary_cos_sin(positions[None, prefix_length:], inv_freq, x.dtype)
-        # A row's token at position p sees the whole prefix and its own tokens up to p.
-        mask = positions[None, :] <= positions[prefix_length:, None]
+        prefix_x, x = self.embed_tokens(prefixes), self.embed_tokens(tokens)
+        starts = prefix_lengths[prefix_index]  # where each row's own tokens begin
+        own = torch.arange(seq, device=tokens.device)
+        prefix_rope = rotary_cos_sin(torch.arange(prefix_length, device=tokens.device)[None], inv_freq, x.dtype)
+        rope = rotary_cos_sin(starts[:, None] + own, inv_freq, x.dtype)
+        # A row's token sees its prefix's real tokens (not the padding) and its own tokens up to itself.
+        sees_prefix = torch.arange(prefix_length, device=tokens.device) < starts[:, None]
+        mask = torch.cat([sees_prefix[:, None, :].expand(-1, seq, -1),
+                          (own <= own[:, None]).expand(batch, -1, -1)], dim=-1)[:, None]
+        prefix = prefix_rope, prefix_index
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:
-                prefix_x, x = checkpoint(layer, x, *rope, mask=mask, prefix=(prefix_x, prefix_rope), use_reentrant=False)
+                prefix_x, x = checkpoint(layer, x, *rope, mask=mask, prefix=(prefix_x, *prefix), use_reentrant=False)
             else:
-                prefix_x, x = layer(x, *rope, mask=mask, prefix=(prefix_x, prefix_rope))
+                prefix_x, x = layer(x, *rope, mask=mask, prefix=(prefix_x, *prefix))
         return self.norm(x)
 
     def forward(self, tokens: torch.Tensor, positions=None, kv_cache: KVCache | None = None, *,
                 logits_at: torch.Tensor | None = None, targets: torch.Tensor | None = None,
-                target_positions: torch.Tensor | None = None, prefix: torch.Tensor | None = None,
+                target_positions: torch.Tensor | None = None, prefix: tuple | None = None,
                 logprob_chunk_size: int = 256, with_entropy: bool = True):
         """Logits [batch, seq, vocab] in the model's dtype, or what a caller needs instead of all of them:
 
@@ -396,10 +402,11 @@ class Transformer(nn.Module):
         targets: (log p(targets), entropy) in float32, computed chunk by chunk without the whole logits
         tensor (the update; see logprobs.py). targets [batch, seq] are predicted at every position, or
         targets [batch, n] at target_positions [batch, n] only. with_entropy=False: entropy is None.
-        prefix [1, L]: tokens every row continues (a shared prompt), run once; see hidden_states_after_prefix.
+        prefix (prefixes [P, L], their lengths [P], each row's prefix [batch]): prompts the rows continue, each
+        run once; see hidden_states_after_prefix.
         """
         if prefix is not None:
-            hidden = self.hidden_states_after_prefix(prefix, tokens)
+            hidden = self.hidden_states_after_prefix(*prefix, tokens)
         else:
             hidden = self.hidden_states(tokens, positions, kv_cache)
         if targets is not None:

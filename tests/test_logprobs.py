@@ -130,15 +130,22 @@ SEQUENCE_SETS = {
     "shared template start": ([[5, 6, 7, 9, 1, 2], [5, 6, 3, 3, 8, 3, 1], [5, 6, 7, 8, 4]], [4, 5, 4]),
     "nothing shared": ([[1, 6, 7, 1, 2], [2, 6, 7, 3]], [3, 3]),
     "one-token prompt": ([[5, 9, 9], [5, 6, 7, 8, 1]], [1, 4]),
+    # Two groups whose prompts differ in length: one prefix each, the shorter padded.
+    "two groups": ([[5, 6, 7, 8, 9, 1, 2], [5, 6, 7, 8, 9, 3], [5, 6, 7, 8, 9, 4, 4, 4],
+                    [2, 6, 3, 4], [2, 6, 3, 1, 1, 1], [2, 6, 3, 5, 2]], [5, 5, 5, 3, 3, 3]),
+    # A group of one-token prompts beside a group with a long one.
+    "groups with an empty prefix": ([[5, 1, 2], [5, 3], [4, 6, 7, 8, 9, 1], [4, 6, 7, 8, 9, 2, 2],
+                                     [4, 6, 7, 8, 9, 3]], [1, 1, 5, 5, 5]),
 }
 
 
-@pytest.mark.parametrize("name", SEQUENCE_SETS)
-def test_answer_log_probs_match_whole_sequence_forwards(tiny_model_dir, name):
-    """The shared prefix runs once and only answer tokens are scored, yet values and gradients are
-    those of a forward over each sequence alone."""
+@pytest.mark.parametrize("name,checkpointing", [(name, False) for name in SEQUENCE_SETS] + [("two groups", True)])
+def test_answer_log_probs_match_whole_sequence_forwards(tiny_model_dir, name, checkpointing):
+    """Each prefix runs once and only answer tokens are scored, yet values and gradients are
+    those of a forward over each sequence alone (with gradient checkpointing too)."""
     sequences, answer_starts = SEQUENCE_SETS[name]
     model = Transformer.from_pretrained(tiny_model_dir, dtype=torch.float32).train()
+    model.gradient_checkpointing = checkpointing
     batch = answer_batch(sequences, answer_starts, pad_token_id=0, device="cpu")
     weights = torch.randn(batch.mask.shape, generator=torch.Generator().manual_seed(1)) * batch.mask
 
@@ -158,8 +165,23 @@ def test_answer_log_probs_match_whole_sequence_forwards(tiny_model_dir, name):
     assert entropy.shape == log_probs.shape
 
 
-def test_answer_batch_shares_the_common_prompt_start():
+def test_answer_batch_runs_each_prompt_once():
     batch = answer_batch(*SEQUENCE_SETS["one group"], pad_token_id=0, device="cpu")
-    assert batch.prefix.tolist() == [[5, 6, 7]]  # the last prompt token stays with the rows
+    assert batch.prefixes.tolist() == [[5, 6, 7]]  # the last prompt token stays with the rows
     assert batch.tokens.shape == (3, 4) and batch.targets.tolist() == [[1, 2, 0], [3, 0, 0], [4, 4, 4]]
-    assert answer_batch(*SEQUENCE_SETS["nothing shared"], pad_token_id=0, device="cpu").prefix is None
+    assert answer_batch(*SEQUENCE_SETS["nothing shared"], pad_token_id=0, device="cpu").prefixes is None
+
+    batch = answer_batch(*SEQUENCE_SETS["two groups"], pad_token_id=0, device="cpu")
+    assert batch.prefixes.tolist() == [[5, 6, 7, 8], [2, 6, 0, 0]]
+    assert batch.prefix_lengths.tolist() == [4, 2] and batch.prefix_index.tolist() == [0, 0, 0, 1, 1, 1]
+    assert batch.tokens[3].tolist() == [3, 4, 0, 0] and batch.positions[3].tolist() == [0, 0, 0]
+    assert batch.mask[3].tolist() == [True, False, False]
+
+
+def test_answer_batch_shares_the_template_start_when_every_prompt_differs():
+    """Distinct prompts (SFT's) gain nothing from a prefix each; the start they all share runs once."""
+    sequences = [[5, 6, 7, 9, 1], [5, 6, 8, 9, 2], [5, 6, 3, 9, 3, 3]]
+    batch = answer_batch(sequences, [4, 4, 4], pad_token_id=0, device="cpu")
+    # One prefix per prompt would run 3 x 3 + 3 x 3 positions; the shared start 2 + 3 x 4.
+    assert batch.prefixes.tolist() == [[5, 6]] and batch.prefix_index.tolist() == [0, 0, 0]
+    assert batch.tokens.tolist() == [[7, 9, 1, 0], [8, 9, 2, 0], [3, 9, 3, 3]]
