@@ -1,14 +1,18 @@
 """A whole GRPO step (rollout + update), ours vs TRL's GRPOTrainer, at equal settings.
 
-Both sides get the same tiny Qwen2 model directory (tiny_model.py, the CPU demo's base shape, random
-weights), the same CountDown questions in the same order, the same reward function (countdown_task's,
-plus a tiny text-checksum term so that random weights' groups have a spread: see bench_reward),
-group size, batch, max_gen_len, learning rate, micro-batch and loss: token-level (TRL's "dapo"), no KL
-(beta 0), one optimizer step per rollout, group-std scaling, constant learning rate, clip norm 1.
-Each side lives in its own worker process (its peak memory is its own), set up once and warmed up
-with one step; the parent then asks them for a step in turn, so machine load hits both alike.
+Both sides get the same model directory (a tiny Qwen2 with the CPU demo's base shape and random weights,
+or --model DIR, a real checkpoint such as SmolLM2-135M-Instruct), the same CountDown questions and
+rendered prompts in the same order, the same reward function (countdown_task's, plus a tiny
+text-checksum term so that every group has a spread: see bench_reward), group size, batch, max_gen_len,
+learning rate, micro-batch, dtype, threads, gradient checkpointing (off unless --gradient-checkpointing;
+TRL's default is on) and loss: token-level (TRL's "dapo"), no KL (beta 0), one optimizer step per
+rollout, group-std scaling, constant learning rate, clip norm 1. Each side lives in its own worker
+process (its peak memory is its own), set up once and warmed up with one step; the parent then asks
+them for a step in turn, so machine load hits both alike. Both take their memory baseline at the same
+point: model, tokenizer, data and optimizer built, before the first step.
 
     uv run --group bench python -m bench.step_vs_trl
+    uv run --group bench python -m bench.step_vs_trl --model SMOLLM2_DIR --questions 4 --micro-batch-size 8 --threads 2
     uv run --group bench python -m bench.step_vs_trl --device cuda --compile   # bf16; compiled decode for ours
 
 TRL runs offline: no Hub, no wandb (report_to none). Known differences that are TRL's own design,
@@ -62,11 +66,13 @@ INSTALL_HINT = "TRL is missing: it is in the bench dependency group. Run\n  uv r
 
 
 def prepare(workdir: Path, args) -> None:
-    """The shared inputs: a model directory and a CountDown dataset with a step's worth of questions per round."""
+    """The shared inputs: a model directory (unless --model) and a CountDown dataset with a step's worth of
+    questions per round."""
     import countdown_task
     from tiny_model import build_tiny_model
 
-    build_tiny_model(workdir / "model", seed=args.seed, **MODEL_SHAPE)
+    if args.model is None:
+        build_tiny_model(workdir / "model", seed=args.seed, **MODEL_SHAPE)
     size = args.questions * (args.rounds + 1) + 1  # +1: the dataset keeps at least one test row
     countdown_task.generate(Namespace(out=workdir / "countdown", size=size, seed=args.seed, **QUESTIONS))
 
@@ -94,7 +100,12 @@ class StepClock:
     def __init__(self, device: torch.device, reports):
         self.device = device
         self.reports = reports
-        self.baseline_memory = memory_now(device)
+        self.baseline_memory, self.gradient_checkpointing = None, None
+
+    def set_up(self, gradient_checkpointing: bool) -> None:
+        """Everything is built and no step has run: the memory baseline (the same point on both sides), and
+        whether the model as built really checkpoints (each step reports it, so a mismatch cannot pass)."""
+        self.baseline_memory, self.gradient_checkpointing = memory_now(self.device), gradient_checkpointing
 
     def now(self) -> tuple[float, float]:
         if self.device.type == "cuda":
@@ -120,6 +131,7 @@ class StepClock:
             total_wall=wall, total_cpu=cpu, rollout_wall=rollout_wall, rollout_cpu=rollout_cpu,
             update_wall=wall - rollout_wall, update_cpu=cpu - rollout_cpu,
             peak_memory_bytes=peak_memory(self.device), baseline_memory_bytes=self.baseline_memory,
+            gradient_checkpointing=self.gradient_checkpointing,
         )
         print(json.dumps(report), file=self.reports, flush=True)
 
@@ -140,8 +152,9 @@ def run_ours(workdir: Path, args, reports) -> None:
         return {"reward": bench_reward(text, item["nums"], item["target"]), "reward_info": {}}
 
     device, dtype = device_and_dtype(args)
-    model = Transformer.from_pretrained(workdir / "model", device=device, dtype=dtype)
-    tokenizer = Tokenizer(workdir / "model")
+    model = Transformer.from_pretrained(model_dir(workdir, args), device=device, dtype=dtype)
+    model.gradient_checkpointing = args.gradient_checkpointing
+    tokenizer = Tokenizer(model_dir(workdir, args))
     dataset = countdown_task.CountdownDataset(workdir / "countdown", tokenizer, "train", test_size=1)
     sampling = RolloutConfig(num_answers_per_question=args.answers, max_gen_len=args.max_gen_len,
                              compile_decode=args.compile)
@@ -150,6 +163,7 @@ def run_ours(workdir: Path, args, reports) -> None:
     optimizer_step = OptimizerStep(model, new_adamw(model.parameters(), optim), optim.max_grad_norm)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     clock = StepClock(device, reports)
+    clock.set_up(model.gradient_checkpointing)
     for step in range(args.rounds + 1):  # the first is the warm-up
         clock.begin_step()
         batch = make_batch(dataset, range(step * args.questions, (step + 1) * args.questions), max_prompt_len=10**6)
@@ -177,7 +191,7 @@ def run_trl(workdir: Path, args, reports) -> None:
 
     device, dtype = device_and_dtype(args)
     # The same rendered prompts as ours, in the same order (TRL's shuffling is off).
-    ours = countdown_task.CountdownDataset(workdir / "countdown", Tokenizer(workdir / "model"), "train", test_size=1)
+    ours = countdown_task.CountdownDataset(workdir / "countdown", Tokenizer(model_dir(workdir, args)), "train", test_size=1)
     rows = [dict(prompt=item["prompt"], nums=item["nums"], target=item["target"]) for item in ours]
     config = GRPOConfig(
         output_dir=str(workdir / "trl"), report_to="none", save_strategy="no", logging_steps=10**6,
@@ -188,7 +202,7 @@ def run_trl(workdir: Path, args, reports) -> None:
         per_device_train_batch_size=args.micro_batch_size,
         gradient_accumulation_steps=args.questions * args.answers // args.micro_batch_size,
         beta=0.0, loss_type="dapo", scale_rewards="group", num_iterations=1, shuffle_dataset=False,
-        dataloader_num_workers=0,
+        dataloader_num_workers=0, gradient_checkpointing=args.gradient_checkpointing,
     )
     clock = StepClock(device, reports)
 
@@ -197,6 +211,9 @@ def run_trl(workdir: Path, args, reports) -> None:
             return clock.time_rollout(lambda: super(Timed, self)._generate_and_score_completions(inputs))
 
     class TurnByTurn(TrainerCallback):
+        def on_train_begin(self, *unused, model, **kwargs):  # the trainer has built its optimizer
+            clock.set_up(model.is_gradient_checkpointing)
+
         def on_step_begin(self, *unused, **kwargs):
             clock.begin_step()
 
@@ -206,16 +223,21 @@ def run_trl(workdir: Path, args, reports) -> None:
     def countdown_reward(completions, nums, target, **kwargs) -> list[float]:
         return [bench_reward(text, n, t) for text, n, t in zip(completions, nums, target)]
 
-    model = AutoModelForCausalLM.from_pretrained(workdir / "model", dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_dir(workdir, args), dtype=dtype)
     trainer = Timed(
         model=model, reward_funcs=countdown_reward, args=config, train_dataset=Dataset.from_list(rows),
-        processing_class=AutoTokenizer.from_pretrained(workdir / "model"), callbacks=[TurnByTurn()],
+        processing_class=AutoTokenizer.from_pretrained(model_dir(workdir, args)), callbacks=[TurnByTurn()],
     )
     trainer.train()
 
 
+def model_dir(workdir: Path, args) -> Path:
+    return args.model or workdir / "model"
+
+
 def worker_command(side: str, workdir: Path, args) -> list[str]:
-    shared = ["--questions", str(args.questions), "--answers", str(args.answers), "--max-gen-len", str(args.max_gen_len),
+    shared = [*(["--model", str(args.model)] if args.model else []),
+              *(["--gradient-checkpointing"] if args.gradient_checkpointing else []), "--questions", str(args.questions), "--answers", str(args.answers), "--max-gen-len", str(args.max_gen_len),
               "--micro-batch-size", str(args.micro_batch_size), "--learning-rate", str(args.learning_rate),
               "--rounds", str(args.rounds), "--seed", str(args.seed), "--device", args.device,
               "--threads", str(args.threads), *(["--compile"] if args.compile else [])]
@@ -252,11 +274,16 @@ def measure(args) -> dict:
                 worker.wait(timeout=600)
     sides = {}
     for side, steps in rounds.items():
+        if any(step["gradient_checkpointing"] != args.gradient_checkpointing for step in steps):
+            raise RuntimeError(f"{side}'s model has gradient checkpointing {steps[0]['gradient_checkpointing']}, "
+                               f"not {args.gradient_checkpointing} as asked: the sides would not be comparable")
         medians = {key: statistics.median(step[key] for step in steps) for key in steps[0] if key.endswith(("_wall", "_cpu"))}
         peak = max(step["peak_memory_bytes"] for step in steps)
         sides[side] = medians | dict(peak_memory_bytes=peak, step_memory_bytes=peak - steps[0]["baseline_memory_bytes"], rounds=steps)
     device, dtype = device_and_dtype(args)
     return dict(
+        model=str(args.model or "tiny random Qwen2 (the CPU demo's base shape)"),
+        gradient_checkpointing=args.gradient_checkpointing,
         device=str(device), dtype=str(dtype).removeprefix("torch."), threads=args.threads, questions=args.questions,
         answers=args.answers, max_gen_len=args.max_gen_len, micro_batch_size=args.micro_batch_size,
         learning_rate=args.learning_rate, compile_decode=args.compile, rounds=args.rounds,
@@ -269,7 +296,8 @@ def measure(args) -> dict:
 
 def print_table(report: dict) -> None:
     print(
-        f"one GRPO step on {report['device']} ({report['dtype']}, {report['threads']} threads): {report['questions']} "
+        f"one GRPO step of {report['model']} on {report['device']} ({report['dtype']}, {report['threads']} threads, "
+        f"gradient checkpointing {'on' if report['gradient_checkpointing'] else 'off'}): {report['questions']} "
         f"questions x {report['answers']} answers, max_gen_len {report['max_gen_len']}, micro-batch "
         f"{report['micro_batch_size']}, lr {report['learning_rate']}; median of {report['rounds']} interleaved rounds "
         f"(CPU s / wall s); load average {report['load_average']}"
@@ -286,6 +314,8 @@ def print_table(report: dict) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, help="a Hugging Face model directory (default: a tiny random Qwen2)")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="on for both sides (default: off)")
     parser.add_argument("--questions", type=int, default=16, help="questions per step")
     parser.add_argument("--answers", type=int, default=8, help="answers per question (the group size)")
     parser.add_argument("--max-gen-len", type=int, default=64)
@@ -300,6 +330,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.model and not (args.model / "config.json").is_file():
+        parser.error(f"--model {args.model}: no config.json there; give a Hugging Face model directory "
+                     "(SmolLM2-135M-Instruct offline: bash ../shared/tools/make_smollm2.sh DIR .)")
+    if args.model:
+        args.model = args.model.resolve()  # the workers may resolve paths elsewhere
     if (args.questions * args.answers) % args.micro_batch_size:
         parser.error("--micro-batch-size must divide questions x answers (TRL accumulates whole micro-batches)")
     return args

@@ -92,15 +92,29 @@ def test_step_bench_without_trl_says_how_to_get_it():
 
 
 @pytest.mark.slow
-def test_step_bench_runs_both_sides(tmp_path):
+@pytest.mark.parametrize("checkpointing", [[], ["--gradient-checkpointing"]])
+def test_step_bench_runs_both_sides(tmp_path, tiny_model_dir, checkpointing):
+    """Both sides run the given model with gradient checkpointing as asked (TRL's default is on), and take
+    their memory baseline after set-up."""
     report, stdout = run_bench(
         "step_vs_trl", tmp_path, "--questions", "2", "--answers", "2", "--max-gen-len", "4", "--micro-batch-size", "2",
-        "--rounds", "1", "--device", "cpu",
+        "--rounds", "1", "--device", "cpu", "--model", str(tiny_model_dir), *checkpointing,
     )
-    assert set(report["sides"]) == {"ours", "TRL"}
+    assert set(report["sides"]) == {"ours", "TRL"} and report["model"] == str(tiny_model_dir.resolve())
     for side in report["sides"].values():
         assert len(side["rounds"]) == 1 and side["total_cpu"] > 0 and side["peak_memory_bytes"] > 0
+        assert [step["gradient_checkpointing"] for step in side["rounds"]] == [bool(checkpointing)]
+        assert 0 < side["rounds"][0]["baseline_memory_bytes"] <= side["peak_memory_bytes"]
+    assert f"gradient checkpointing {'on' if checkpointing else 'off'}" in stdout
     assert "| ours vs TRL (throughput) |" in stdout
+
+
+def test_step_bench_refuses_a_model_directory_without_config(tmp_path, capsys):
+    from bench import step_vs_trl
+
+    with pytest.raises(SystemExit):
+        step_vs_trl.parse_args(["--model", str(tmp_path)])
+    assert "make_smollm2.sh" in capsys.readouterr().err
 
 
 @pytest.mark.slow
