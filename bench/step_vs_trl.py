@@ -212,7 +212,7 @@ def run_trl(workdir: Path, args, reports) -> None:
 
     class TurnByTurn(TrainerCallback):
         def on_train_begin(self, *unused, model, **kwargs):  # the trainer has built its optimizer
-            clock.set_up(model.is_gradient_checkpointing)
+            clock.set_up(model.is_activation_checkpointing)
 
         def on_step_begin(self, *unused, **kwargs):
             clock.begin_step()
