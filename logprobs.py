@@ -72,7 +72,7 @@ class AnswerBatch(NamedTuple):
 
     A prompt's tokens, all but the last (whose hidden state predicts the first answer token), form a prefix
     row that the sequences continuing it attend to: a group's G answers share one, and a chat template's fixed
-    start is shared by every sequence. `rows` holds what follows each sequence's prefix.
+    start is shared by every sequence. `tokens` holds what follows each sequence's prefix.
     """
 
     prefixes: torch.Tensor | None  # [P, L]: the distinct prefixes, right-padded (None: nothing shared)
@@ -103,7 +103,8 @@ def prefix_layout(sequences: list[list[int]], answer_starts: list[int]) -> tuple
     shared = shared_prefix_length(sequences, min(answer_starts) - 1)
     common = shared + len(sequences) * (max(map(len, sequences)) - shared)
     if per_prompt < common:
-        return [list(prompt) for prompt in distinct], [distinct.index(prompt) for prompt in prompts]
+        index = {prompt: number for number, prompt in enumerate(distinct)}
+        return [list(prompt) for prompt in distinct], [index[prompt] for prompt in prompts]
     return [sequences[0][:shared]], [0] * len(sequences)
 
 

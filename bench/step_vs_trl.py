@@ -237,7 +237,8 @@ def model_dir(workdir: Path, args) -> Path:
 
 def worker_command(side: str, workdir: Path, args) -> list[str]:
     shared = [*(["--model", str(args.model)] if args.model else []),
-              *(["--gradient-checkpointing"] if args.gradient_checkpointing else []), "--questions", str(args.questions), "--answers", str(args.answers), "--max-gen-len", str(args.max_gen_len),
+              *(["--gradient-checkpointing"] if args.gradient_checkpointing else []),
+              "--questions", str(args.questions), "--answers", str(args.answers), "--max-gen-len", str(args.max_gen_len),
               "--micro-batch-size", str(args.micro_batch_size), "--learning-rate", str(args.learning_rate),
               "--rounds", str(args.rounds), "--seed", str(args.seed), "--device", args.device,
               "--threads", str(args.threads), *(["--compile"] if args.compile else [])]
