@@ -199,10 +199,13 @@ class RolloutConfig:
     compile_decode: bool = False  # CUDA only: capture the decode step with torch.compile
     dynamic_sampling: bool = False  # DAPO: replace groups whose rewards are all equal with new questions
     dynamic_sampling_max_rounds: int = 3  # rollout rounds per step at most; then train on the groups found
+    # Questions asked in each round (null: a step's, episodes_per_step / num_answers_per_question). A round
+    # has a fixed cost (its longest answer's decode steps), so a few larger rounds cost less than many.
+    dynamic_sampling_questions_per_round: int | None = None
 
     def validate(self) -> None:
         for name in ("episodes_per_step", "num_answers_per_question", "max_prompt_len", "max_gen_len",
-                     "dynamic_sampling_max_rounds"):
+                     "dynamic_sampling_max_rounds", "dynamic_sampling_questions_per_round"):
             at_least(self, name, 1)
         within(self, "temperature", 0, MAX_TEMPERATURE, "(]")  # 0 would make every group's answers equal: no signal
         within(self, "top_p", 0, 1, "(]")
@@ -408,9 +411,12 @@ class TrainConfig:
             )
         if rollout.num_answers_per_question < 2 and self.loss.baseline != "none":
             raise ConfigError(f"rollout.num_answers_per_question must be >= 2 for the {self.loss.baseline} baseline")
-        questions = rollout.episodes_per_step // rollout.num_answers_per_question
-        if questions % world_size():
-            raise ConfigError(f"the {questions} questions per step must split evenly over {world_size()} ranks")
+        if self.questions_per_step % world_size():
+            raise ConfigError(f"the {self.questions_per_step} questions per step must split evenly over "
+                              f"{world_size()} ranks")
+        if self.questions_per_round % world_size():
+            raise ConfigError(f"rollout.dynamic_sampling_questions_per_round ({self.questions_per_round}) must split "
+                              f"evenly over {world_size()} ranks")
         if self.distributed.fsdp and self.optim.memory_efficient_adamw:
             raise ConfigError("distributed.fsdp already shards AdamW's state over the GPUs; "
                               "set optim.memory_efficient_adamw: false")
@@ -436,6 +442,13 @@ class TrainConfig:
     @property
     def questions_per_step(self) -> int:
         return self.rollout.episodes_per_step // self.rollout.num_answers_per_question
+
+    @property
+    def questions_per_round(self) -> int:
+        """Questions each rollout round asks: a step's, or with dynamic sampling as configured."""
+        if self.rollout.dynamic_sampling and self.rollout.dynamic_sampling_questions_per_round:
+            return self.rollout.dynamic_sampling_questions_per_round
+        return self.questions_per_step
 
 
 @dataclass

@@ -461,8 +461,8 @@ def sample_step(model, sample_round: Callable[[int], list[Episode]],
                 config: RolloutConfig) -> tuple[list[Episode], list[Episode], dict[str, float]]:
     """This rank's episodes of a step: (every sampled one, the ones to train on, sampling metrics).
 
-    `sample_round(r)` samples and scores round r's questions, this rank's share of the step's; one round, or
-    with rollout.dynamic_sampling as many as it takes to find as many groups whose rewards differ.
+    `sample_round(r)` samples and scores round r's questions (this rank's share); one round, or with
+    rollout.dynamic_sampling as many as it takes to find a step's number of groups whose rewards differ.
     """
     num_questions = config.episodes_per_step // config.num_answers_per_question // distributed.world_size()
     start = time.perf_counter()

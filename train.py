@@ -248,18 +248,21 @@ def open_run(config: TrainConfig, start_step: int) -> RunLogger | None:
 
 
 def question_batch(train_set, step: int, config: TrainConfig, round_index: int = 0) -> QuestionBatch:
-    """This rank's share of the step's questions (a fixed function of the step, so runs resume exactly).
+    """This rank's share of a rollout round's questions (a fixed function of step and round, so runs resume
+    exactly).
 
-    Dynamic sampling's extra rounds (round_index >= 1) draw from a second shuffle of the training set,
-    also a fixed function of (step, round); round 0 asks the same questions as a run without it.
+    Round 0 draws from one shuffle of the training set; dynamic sampling's extra rounds (round_index >= 1)
+    from a second. Without rollout.dynamic_sampling_questions_per_round, round 0 asks the same questions as
+    a run without dynamic sampling.
     """
-    questions = config.questions_per_step // distributed.world_size()
+    count = config.questions_per_round
     if round_index == 0:
-        indices = step_indices(step - 1, config.questions_per_step, len(train_set), config.seed)
+        indices = step_indices(step - 1, count, len(train_set), config.seed)
     else:
         extra_round = (step - 1) * (config.rollout.dynamic_sampling_max_rounds - 1) + round_index - 1
-        indices = step_indices(extra_round, config.questions_per_step, len(train_set), config.seed + 1)
-    return make_batch(train_set, indices[distributed.rank() * questions : (distributed.rank() + 1) * questions],
+        indices = step_indices(extra_round, count, len(train_set), config.seed + 1)
+    share = count // distributed.world_size()
+    return make_batch(train_set, indices[distributed.rank() * share : (distributed.rank() + 1) * share],
                       config.rollout.max_prompt_len)
 
 

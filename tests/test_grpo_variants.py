@@ -32,10 +32,12 @@ BASES = ["config.yaml", "config_24GB.yaml", "configs/cpu_demo.yaml", "configs/gs
 # What defines an algorithm, so what every preset states: the whole loss section, dynamic sampling and
 # overlong filtering.
 ALGORITHM_KEYS = sorted({f"loss.{field.name}" for field in dataclasses.fields(LossConfig)}
-                        | {"rollout.dynamic_sampling", "rollout.dynamic_sampling_max_rounds", "optim.skip_unfinished_episodes"})
+                        | {"rollout.dynamic_sampling", "rollout.dynamic_sampling_max_rounds",
+                           "rollout.dynamic_sampling_questions_per_round", "optim.skip_unfinished_episodes"})
 # Plain GRPO as docs/variants.md states it (and every default is): GRPO:Zero's loss, one on-policy step.
 PLAIN_GRPO = {
-    "rollout.dynamic_sampling": False, "rollout.dynamic_sampling_max_rounds": 3, "optim.skip_unfinished_episodes": False,
+    "rollout.dynamic_sampling": False, "rollout.dynamic_sampling_max_rounds": 3,
+    "rollout.dynamic_sampling_questions_per_round": None, "optim.skip_unfinished_episodes": False,
     "loss.baseline": "group_mean", "loss.std_normalization": True, "loss.std_estimator": "population",
     "loss.advantage_eps": 1e-4, "loss.aggregation": "token", "loss.aggregation_constant": None,
     "loss.epochs_per_rollout": 1, "loss.clip": "none", "loss.clip_range": 0.2, "loss.clip_range_high": None,
@@ -575,7 +577,9 @@ def test_bad_variant_value_stops_train_py_with_a_config_error(capsys):
     for assignment, message in (("loss.kl_beta=-1", "config error: loss.kl_beta: must be in [0, 10]"),
                                 ("rollout.num_answers_per_question=1", "must be >= 2 for the group_mean baseline"),
                                 ("rollout.dynamic_sampling_max_rounds=0",
-                                 "config error: rollout.dynamic_sampling_max_rounds: must be >= 1")):
+                                 "config error: rollout.dynamic_sampling_max_rounds: must be >= 1"),
+                                ("rollout.dynamic_sampling_questions_per_round=0",
+                                 "config error: rollout.dynamic_sampling_questions_per_round: must be >= 1")):
         with pytest.raises(SystemExit) as stopped:
             train.main(["--config", "configs/cpu_demo.yaml", "--set", assignment])
         assert stopped.value.code == 2
@@ -610,7 +614,8 @@ def test_every_preset_states_its_whole_algorithm_and_means_it_over_any_base(base
         assert not resolved[name]["rollout.dynamic_sampling"] and resolved[name]["loss.kl_beta"] == 0
     if base == "configs/cpu_demo.yaml":  # the suite's table lists what a preset changes in this base: the demo's recipe undone
         assert experiments["grpo"].differences == {
-            "rollout.dynamic_sampling": False, "rollout.dynamic_sampling_max_rounds": 3, "loss.epochs_per_rollout": 1,
+            "rollout.dynamic_sampling": False, "rollout.dynamic_sampling_max_rounds": 3,
+            "rollout.dynamic_sampling_questions_per_round": None, "loss.epochs_per_rollout": 1,
             "loss.clip": "none", "loss.clip_range_high": None, "loss.kl_beta": 0.0}
 
 
@@ -641,8 +646,11 @@ def test_each_preset_trains_two_steps_through_train_py(name, tmp_path, tiny_mode
 
 
 @pytest.mark.slow
-def test_dynamic_sampling_draws_new_questions_until_the_cap(tmp_path, tiny_model_dir, countdown_dir, monkeypatch):
-    """Only questions with an even target can give rewards that differ within a group: the others are replaced."""
+@pytest.mark.parametrize("questions_per_round", [None, 2, 5])
+def test_dynamic_sampling_draws_new_questions_until_the_cap(tmp_path, tiny_model_dir, countdown_dir, monkeypatch,
+                                                            questions_per_round):
+    """Only questions with an even target can give rewards that differ within a group: the others are replaced,
+    in rounds of rollout.dynamic_sampling_questions_per_round questions (null: a step's 4)."""
     scored = []  # (target, reward) of every answer, in sampling order
 
     def reward(response, item, end_token):
@@ -653,18 +661,21 @@ def test_dynamic_sampling_draws_new_questions_until_the_cap(tmp_path, tiny_model
     monkeypatch.setattr(countdown_task, "reward", reward)
     config = tiny_config(tmp_path, tiny_model_dir, countdown_dir, "rollout.dynamic_sampling=true",
                          "rollout.dynamic_sampling_max_rounds=4", "rollout.episodes_per_step=12", "optim.num_steps=1",
+                         f"rollout.dynamic_sampling_questions_per_round={json.dumps(questions_per_round)}",
                          "eval.interval=0", "checkpoint.interval=0")
     train.train(config)
     scalars = read_scalars(tmp_path / "logs" / "tiny")
-    groups = [scored[i : i + 3] for i in range(0, len(scored), 3)]  # 3 answers per question, 4 questions a round
+    per_round = questions_per_round or 4
+    groups = [scored[i : i + 3] for i in range(0, len(scored), 3)]  # 3 answers per question
     informative = [len({reward for _, reward in group}) > 1 for group in groups]
     # Rounds go on while fewer than 4 groups had different rewards, at most 4 rounds.
-    expected_rounds = next((r for r in range(1, 5) if sum(informative[: 4 * r]) >= 4), 4)
-    assert len(groups) == 4 * expected_rounds
+    expected_rounds = next((r for r in range(1, 5) if sum(informative[: per_round * r]) >= 4), 4)
+    assert len(groups) == per_round * expected_rounds
     assert scalars["train/dynamic_sampling_rounds"] == [(1, expected_rounds)]
-    assert scalars["train/questions_sampled"] == [(1, 4 * expected_rounds)]
+    assert scalars["train/questions_sampled"] == [(1, per_round * expected_rounds)]
     assert expected_rounds > 1  # this seed needs a refill, so the test checks one
-    round_questions = {tuple(group[0][0] for group in groups[r : r + 4]) for r in range(0, len(groups), 4)}
+    round_questions = {tuple(group[0][0] for group in groups[r : r + per_round])
+                       for r in range(0, len(groups), per_round)}
     assert len(round_questions) == expected_rounds  # every round asked different questions
 
 
