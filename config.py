@@ -210,6 +210,17 @@ class RolloutConfig:
         within(self, "temperature", 0, MAX_TEMPERATURE, "(]")  # 0 would make every group's answers equal: no signal
         within(self, "top_p", 0, 1, "(]")
 
+    @property
+    def questions_per_step(self) -> int:
+        return self.episodes_per_step // self.num_answers_per_question
+
+    @property
+    def questions_per_round(self) -> int:
+        """Questions each rollout round asks: a step's, or with dynamic sampling as configured."""
+        if self.dynamic_sampling and self.dynamic_sampling_questions_per_round:
+            return self.dynamic_sampling_questions_per_round
+        return self.questions_per_step
+
 
 @dataclass
 class AdamWConfig:
@@ -411,12 +422,12 @@ class TrainConfig:
             )
         if rollout.num_answers_per_question < 2 and self.loss.baseline != "none":
             raise ConfigError(f"rollout.num_answers_per_question must be >= 2 for the {self.loss.baseline} baseline")
-        if self.questions_per_step % world_size():
-            raise ConfigError(f"the {self.questions_per_step} questions per step must split evenly over "
+        if rollout.questions_per_step % world_size():
+            raise ConfigError(f"the {rollout.questions_per_step} questions per step must split evenly over "
                               f"{world_size()} ranks")
-        if self.questions_per_round % world_size():
-            raise ConfigError(f"rollout.dynamic_sampling_questions_per_round ({self.questions_per_round}) must split "
-                              f"evenly over {world_size()} ranks")
+        if rollout.questions_per_round % world_size():
+            raise ConfigError(f"rollout.dynamic_sampling_questions_per_round ({rollout.questions_per_round}) must "
+                              f"split evenly over {world_size()} ranks")
         if self.distributed.fsdp and self.optim.memory_efficient_adamw:
             raise ConfigError("distributed.fsdp already shards AdamW's state over the GPUs; "
                               "set optim.memory_efficient_adamw: false")
@@ -438,17 +449,6 @@ class TrainConfig:
             total = self.rollout.max_prompt_len + (gen_len or 0)  # eval.max_gen_len null: the rollout's, checked
             check(total <= max_position_embeddings, f"rollout.max_prompt_len + {key}",
                   f"must be <= the model's max_position_embeddings ({max_position_embeddings})", total)
-
-    @property
-    def questions_per_step(self) -> int:
-        return self.rollout.episodes_per_step // self.rollout.num_answers_per_question
-
-    @property
-    def questions_per_round(self) -> int:
-        """Questions each rollout round asks: a step's, or with dynamic sampling as configured."""
-        if self.rollout.dynamic_sampling and self.rollout.dynamic_sampling_questions_per_round:
-            return self.rollout.dynamic_sampling_questions_per_round
-        return self.questions_per_step
 
 
 @dataclass

@@ -464,7 +464,7 @@ def sample_step(model, sample_round: Callable[[int], list[Episode]],
     `sample_round(r)` samples and scores round r's questions (this rank's share); one round, or with
     rollout.dynamic_sampling as many as it takes to find a step's number of groups whose rewards differ.
     """
-    num_questions = config.episodes_per_step // config.num_answers_per_question // distributed.world_size()
+    num_questions = config.questions_per_step // distributed.world_size()
     start = time.perf_counter()
     model.eval()
     with distributed.full_parameters(model):

@@ -255,7 +255,7 @@ def question_batch(train_set, step: int, config: TrainConfig, round_index: int =
     from a second. Without rollout.dynamic_sampling_questions_per_round, round 0 asks the same questions as
     a run without dynamic sampling.
     """
-    count = config.questions_per_round
+    count = config.rollout.questions_per_round
     if round_index == 0:
         indices = step_indices(step - 1, count, len(train_set), config.seed)
     else:

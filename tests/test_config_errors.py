@@ -274,11 +274,11 @@ def test_rank_count_comes_from_torchrun_environment(monkeypatch):
     with pytest.raises(config_lib.ConfigError, match=r"optim.batch_size \(32\) must split evenly over 3 ranks"):
         config_lib.load(train_sft.SFTConfig, None)
     monkeypatch.setenv("WORLD_SIZE", "4")
-    assert config_lib.load(train.TrainConfig, None).questions_per_step == 32
+    assert config_lib.load(train.TrainConfig, None).rollout.questions_per_step == 32
     dynamic = ["rollout.dynamic_sampling=true", "rollout.dynamic_sampling_questions_per_round=6"]
     with pytest.raises(config_lib.ConfigError,
                        match=r"rollout.dynamic_sampling_questions_per_round \(6\) must split evenly over 4 ranks"):
         config_lib.load(train.TrainConfig, None, dynamic)
     assert config_lib.load(train.TrainConfig, None, [dynamic[0], "rollout.dynamic_sampling_questions_per_round=8"]
-                           ).questions_per_round == 8
-    assert config_lib.load(train.TrainConfig, None, dynamic[1:]).questions_per_round == 32  # inert without dynamic sampling
+                           ).rollout.questions_per_round == 8
+    assert config_lib.load(train.TrainConfig, None, dynamic[1:]).rollout.questions_per_round == 32  # inert without dynamic sampling
