@@ -330,7 +330,7 @@ def decode(
             torch.compiler.cudagraph_mark_step_begin()
         # Eager steps attend over the written slots only (views, no copy): early in a long generation
         # most of the buffer is empty. A captured graph needs the whole, fixed-shape buffer.
-        step_cache = kv_cache if compiled else filled_part(kv_cache, filled + 1)
+        step_cache = kv_cache if compiled else kv_cache.first_slots(filled + 1)
         next_tokens, next_log_probs, next_entropies = step_fn(model, step_cache, next_tokens, positions,
                                                               uniforms=uniforms, temperature=temperature, top_p=top_p)
         if compiled:  # the graph's output buffers are overwritten by its next replay
@@ -338,11 +338,6 @@ def decode(
         positions, filled = positions + 1, filled + 1
     bar.close()
     return outputs, log_probs, entropies
-
-
-def filled_part(kv_cache: KVCache, num_slots: int) -> KVCache:
-    """Views of the first num_slots slots of every buffer: writes through them land in kv_cache."""
-    return KVCache(*([buffer[:, :num_slots] for buffer in buffers] for buffers in (kv_cache.keys, kv_cache.values)))
 
 
 def draw_uniforms(num_rows: int, temperature: float, generator, device) -> torch.Tensor | None:

@@ -232,6 +232,10 @@ class KVCache:
     def max_seq_len(self) -> int:
         return self.keys[0].shape[1]
 
+    def first_slots(self, num_slots: int) -> "KVCache":
+        """Views of the first num_slots slots of every buffer: writes through them land in this cache."""
+        return KVCache(*([buffer[:, :num_slots] for buffer in buffers] for buffers in (self.keys, self.values)))
+
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):

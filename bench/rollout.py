@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also run as a fi
 import generation
 from bench.report import emit_json
 from generation import generate
-from qwen2_model import KVCache, ModelConfig, Transformer, init_weights
+from qwen2_model import ModelConfig, Transformer, init_weights
 
 SHAPES = {
     "tiny": dict(
@@ -113,7 +113,7 @@ def run_grpo_zero_style(model: Transformer, workload: Workload, args) -> None:
     finished = torch.zeros(len(rows), dtype=torch.bool, device=device)
     previous = 0
     for current in range(min(len(row) for row in rows), total_len):
-        filled = KVCache([k[:, :current] for k in kv_cache.keys], [v[:, :current] for v in kv_cache.values])
+        filled = kv_cache.first_slots(current)
         positions = torch.arange(previous, current, device=device).expand(len(rows), -1)
         hidden = model.hidden_states(tokens[:, previous:current], positions, filled)
         probs = torch.softmax(model.lm_head(hidden[:, -1]).float() / args.temperature, dim=-1)
