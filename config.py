@@ -457,6 +457,9 @@ class SFTDataConfig:
     eval_jsonl: str | None = None  # held-out pairs for the loss; null: the last eval_size training pairs
     eval_size: int = 200
     max_seq_len: int = 1024  # longer pairs are left out
+    # The task's reference responses: "solution" (its steps, then the answer), or "search" (CountDown only:
+    # a search's failed tries, then the solution it finds; countdown_task.sft_search_response).
+    response: Literal["solution", "search"] = "solution"
 
     def validate(self) -> None:
         paths(self, "train_jsonl", "eval_jsonl")
@@ -505,6 +508,8 @@ class SFTConfig:
     def validate(self) -> None:
         common_run_keys(self)
         paths(self, "output_dir")
+        check(self.data.response == "solution" or self.task.name == "countdown", "data.response",
+              f"'search' is a CountDown response; task.name {self.task.name!r} has 'solution' only", self.data.response)
         if self.optim.stop_at_success is not None:
             check(bool(self.eval.interval and self.eval.max_questions != 0), "optim.stop_at_success",
                   "needs evaluations: eval.interval >= 1 and eval.max_questions >= 1 or null", self.optim.stop_at_success)

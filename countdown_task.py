@@ -10,6 +10,7 @@ Generate a dataset in the layout of the Hub dataset Jiayi-Pan/Countdown-Tasks-3t
 """
 
 import argparse
+import functools
 import itertools
 import logging
 import operator
@@ -26,7 +27,7 @@ import pyarrow.parquet as pq
 import torch
 
 from answer_format import WHITESPACE, extract_answer_text, format_reward
-from config import DataError, TaskConfig
+from config import DataError, InputError, TaskConfig, exit_on_input_error
 from inputs import COUNTDOWN_HUB_ID, countdown_files, read_parquet
 from run_logging import log_to_console, progress_bar
 
@@ -117,6 +118,9 @@ def load_dataset(config: TaskConfig, tokenizer, split: str) -> "CountdownDataset
                             question_last=config.question_last)
 
 
+SOLVABLE_ROWS_CHECKED = 64
+
+
 class CountdownDataset(torch.utils.data.Dataset):
     """CountDown tasks; test = the last test_size rows, train = the rows before them minus any that repeat
     a test question."""
@@ -138,8 +142,18 @@ class CountdownDataset(torch.utils.data.Dataset):
         }
         if split == "train":
             self.drop_held_out_tasks(table.slice(first_test_row))
+        self.check_solvable(data_dir, split)
         self.tokenizer = tokenizer
         self.question_last = question_last
+
+    def check_solvable(self, data_dir: str | Path, split: str) -> None:
+        """Refuse a split whose first rows are all unsolvable (say, targets swapped with a number): every reward
+        would be 0 and GRPO would learn nothing. The first solvable row ends the check, so it costs ~nothing."""
+        rows = list(zip(self.columns["nums"][:SOLVABLE_ROWS_CHECKED], self.columns["target"][:SOLVABLE_ROWS_CHECKED]))
+        if rows and not any(numbers and solve(numbers, target) is not None for numbers, target in rows):
+            raise DataError(f"{data_dir}: none of the first {len(rows)} {split} questions is solvable (e.g. nums "
+                            f"{rows[0][0]}, target {rows[0][1]}); check the data, or generate some with "
+                            f"`uv run countdown_task.py generate --out DIR --size 100000`")
 
     def drop_held_out_tasks(self, test_rows: pa.Table) -> None:
         """Remove training rows that ask a held-out question again (same numbers in any order, same target).
@@ -165,6 +179,14 @@ class CountdownDataset(torch.utils.data.Dataset):
         item = self.example(index)
         item["prompt_token_ids"] = self.tokenizer.encode(item["prompt"])
         return item
+
+
+def shortcut_baseline(train_set: CountdownDataset):
+    """The task interface's baseline (tasks.py): what fixed answer forms score (countdown_forms.py), chosen
+    on the training rows."""
+    from countdown_forms import FormBaseline  # it builds on this module's parser
+
+    return FormBaseline.fit(train_set.columns["nums"], train_set.columns["target"])
 
 
 # ----------------------------------------------------------------------------- reward
@@ -195,13 +217,20 @@ OPERATOR_PRECEDENCE = {**BINARY_PRECEDENCE, NEGATE: 3}
 
 def _evaluate(tokens: list[str], steps: list[str] | None = None) -> Fraction | None:
     """Value of the token list, or None; binary operations are appended to `steps` as "a op b = c"."""
-    values: list[Fraction] = []
+    return reduce_expression(tokens, lambda token: Fraction(int(token)), functools.partial(_apply, steps=steps))
+
+
+def reduce_expression(tokens: list[str], operand, apply):
+    """The tokens reduced by operator precedence with two stacks, or None if they are no expression.
+    operand(literal) is a literal's operand; apply(symbol, operands) replaces the top operand(s) with the
+    result of symbol (NEGATE or a binary operator) and returns False to reject the expression."""
+    values: list = []
     operators: list[str] = []  # NEGATE, binary operators and "("
     expect_operand = True
     for token in tokens:
         if expect_operand:
             if token[0].isdigit():
-                values.append(Fraction(int(token)))
+                values.append(operand(token))
                 expect_operand = False
             elif token == "-":
                 operators.append(NEGATE)
@@ -212,13 +241,13 @@ def _evaluate(tokens: list[str], steps: list[str] | None = None) -> Fraction | N
         elif token in BINARY_PRECEDENCE:
             # Pop operators of equal precedence too: binary operators are left-associative.
             while operators and operators[-1] != "(" and OPERATOR_PRECEDENCE[operators[-1]] >= BINARY_PRECEDENCE[token]:
-                if not _apply(operators.pop(), values, steps):
+                if not apply(operators.pop(), values):
                     return None
             operators.append(token)
             expect_operand = True
         elif token == ")":
             while operators and operators[-1] != "(":
-                if not _apply(operators.pop(), values, steps):
+                if not apply(operators.pop(), values):
                     return None
             if not operators:
                 return None
@@ -229,7 +258,7 @@ def _evaluate(tokens: list[str], steps: list[str] | None = None) -> Fraction | N
         return None
     while operators:
         symbol = operators.pop()
-        if symbol == "(" or not _apply(symbol, values, steps):
+        if symbol == "(" or not apply(symbol, values):
             return None
     return values[0]
 
@@ -322,15 +351,20 @@ def render(node: Node) -> tuple[str, int]:
     return f"{left_text} {symbol} {right_text}", precedence
 
 
-def solve(numbers: list[int], target: int) -> str | None:
-    """One expression using each number exactly once with + - * / that equals target exactly, or None.
+def solve(numbers: list[int], target: int, integer_steps: bool = False) -> str | None:
+    """One expression using each number exactly once that equals target exactly, or None.
 
-    Depth-first over every binary tree: repeatedly replace two nodes with their combination.
-    Complete for non-negative numbers and positive targets (unary minus reaches no further such target).
+    Depth-first over every binary tree: repeatedly replace two nodes with their combination. With every
+    rational step (+ - * / in either order) it is complete for non-negative numbers and positive targets
+    (unary minus reaches no further such target). integer_steps: only the public generator's steps, which
+    keep every intermediate a non-negative integer (integer_steps_search).
     """
     if not numbers:
         raise ValueError("solve needs at least one number")
-    solution = _search([leaf(number) for number in numbers], Fraction(target))
+    if integer_steps:
+        solution = integer_steps_search([(number, None, None, None) for number in numbers], target)
+    else:
+        solution = _search([leaf(number) for number in numbers], Fraction(target))
     return None if solution is None else render(solution)[0]
 
 
@@ -346,47 +380,132 @@ def _search(nodes: list[Node], target: Fraction) -> Node | None:
     return None
 
 
-def random_expression(numbers: list[int], rng: random.Random) -> Node:
-    """A random expression tree using each number once: combine two random nodes until one is left."""
-    nodes = [leaf(number) for number in numbers]
-    while len(nodes) > 1:
-        left = nodes.pop(rng.randrange(len(nodes)))
-        right = nodes.pop(rng.randrange(len(nodes)))
-        nodes.append(combine(*rng.choice(operations(left, right))))
-    return nodes[0]
+def integer_steps(left: Node, right: Node) -> list[Node]:
+    """The public generator's steps on two integer nodes: a + b, a * b, larger minus smaller and exact
+    division of the larger by the smaller."""
+    larger, smaller = (left, right) if left[0] >= right[0] else (right, left)
+    big, small = larger[0], smaller[0]
+    nodes = [(big + small, "+", larger, smaller), (big * small, "*", larger, smaller),
+             (big - small, "-", larger, smaller)]
+    return nodes + ([(big // small, "/", larger, smaller)] if small and big % small == 0 else [])
 
 
+def integer_steps_search(nodes: list[Node], target: int) -> Node | None:
+    """A tree of integer_steps over all `nodes` whose value is target, or None. Plain ints: the generator
+    runs it on every draw, and must search the ones it rejects completely."""
+    if len(nodes) == 1:
+        return nodes[0] if nodes[0][0] == target else None
+    if len(nodes) == 2:  # the last step, tested on values before any node is built: most of the search's leaves
+        big, small = max(nodes[0][0], nodes[1][0]), min(nodes[0][0], nodes[1][0])
+        if target not in (big + small, big * small, big - small) and not (small and big == target * small):
+            return None
+    for first, second in itertools.combinations(range(len(nodes)), 2):
+        rest = [node for index, node in enumerate(nodes) if index not in (first, second)]
+        for combined in integer_steps(nodes[first], nodes[second]):
+            solution = integer_steps_search(rest + [combined], target)
+            if solution is not None:
+                return solution
+    return None
+
+
+SEARCH_DEAD_ENDS = 2  # failed tries a search response writes at most: 4-number tries are ~30 tokens each
+
+
+def sft_search_response(item: dict, max_dead_ends: int = SEARCH_DEAD_ENDS) -> str:
+    """A reference response for SFT that searches (Stream-of-Search's lesson: a model trained on search traces
+    learns to search, one trained on solutions only to guess a path): the tries of search_tries, each with its
+    steps, the failed ones ending "(not TARGET)", then the solution found.
+    ` 44 + 35 = 79, 79 - 19 = 60 (not 98); 44 + 19 = 63, 63 + 35 = 98 </think>\n<answer> 44 + 19 + 35 </answer>`"""
+    tries = search_tries(item["nums"], item["target"], max_dead_ends)
+    written = [", ".join(tree_steps(tree)) + ("" if tree[0] == item["target"] else f" (not {item['target']})")
+               for tree in tries]
+    return f" {'; '.join(written)} </think>\n<answer> {render(tries[-1])[0]} </answer>"
+
+
+def search_tries(numbers: list[int], target: int, max_dead_ends: int) -> list[Node]:
+    """The complete tries (trees over all the numbers) of a depth-first search over integer steps that takes
+    the step whose value is nearest the target first and, at the last step, only that step: its first
+    max_dead_ends failures, then its solution. The search is complete, so a solvable task always ends solved."""
+    tries: list[Node] = []
+
+    def search(nodes: list[Node]) -> Node | None:
+        if len(nodes) == 1:
+            tries.append(nodes[0])
+            return nodes[0] if nodes[0][0] == target else None
+        candidates = [(combined, [node for index, node in enumerate(nodes) if index not in (first, second)])
+                      for first, second in itertools.combinations(range(len(nodes)), 2)
+                      for combined in integer_steps(nodes[first], nodes[second])]
+        candidates.sort(key=lambda candidate: abs(candidate[0][0] - target))
+        for combined, rest in candidates[: 1 if len(nodes) == 2 else None]:
+            if (solution := search(rest + [combined])) is not None:
+                return solution
+        return None
+
+    solution = search([(number, None, None, None) for number in numbers])
+    if solution is None:
+        raise ValueError(f"{numbers} -> {target} has no solution with integer steps")
+    return tries[: min(len(tries) - 1, max_dead_ends)] + [solution]
+
+
+def tree_steps(node: Node) -> list[str]:
+    """A tree's operations in the order they can be done, each "a op b = value"."""
+    value, symbol, left, right = node
+    if symbol is None:
+        return []
+    return [*tree_steps(left), *tree_steps(right), f"{left[0]} {symbol} {right[0]} = {value}"]
+
+
+# Beyond 6 numbers the exhaustive solver's tree count explodes (6 numbers: ~10^8 trees at worst).
+MAX_NUMBERS = 6
 MAX_NUMBER_DRAWS = 10_000
 
 
 def generate_task(rng: random.Random, args: argparse.Namespace) -> dict:
-    """Draw numbers, then random expressions over them until one is an integer in the target range."""
+    """As the public dataset (Jiayi-Pan/Countdown-Tasks-3to4, the Stream-of-Search generator) draws a task:
+    the target first, uniform in its range; then the numbers, uniform in theirs, redrawn until some
+    solution's every step is an integer step (integer_steps)."""
+    target = rng.randint(args.min_target, args.max_target)
+    count = rng.randint(args.min_numbers, args.max_numbers)
     for _ in range(MAX_NUMBER_DRAWS):
-        count = rng.randint(args.min_numbers, args.max_numbers)
         numbers = [rng.randint(args.min_number, args.max_number) for _ in range(count)]
-        for _ in range(args.expressions_per_draw):
-            expression = random_expression(numbers, rng)
-            if expression[0].denominator == 1 and args.min_target <= expression[0] <= args.max_target:
-                return {"nums": numbers, "target": int(expression[0]), "solution": render(expression)[0]}
-    raise ValueError(
-        f"{MAX_NUMBER_DRAWS} draws of numbers in [{args.min_number}, {args.max_number}] reached no target in "
-        f"[{args.min_target}, {args.max_target}]; widen the number range or the target range."
+        solution = solve(numbers, target, integer_steps=True)
+        if solution is not None:
+            return {"nums": numbers, "target": target, "solution": solution}
+    raise DataError(
+        f"{MAX_NUMBER_DRAWS} draws of {count} numbers in [{args.min_number}, {args.max_number}] solved no task with "
+        f"target {target}; widen --min-number/--max-number or narrow --min-target/--max-target."
     )
 
 
+def check_generator_arguments(args: argparse.Namespace) -> None:
+    """Refuse ranges the generator cannot draw from, or in which no task is solvable, before any work."""
+    def refuse(message: str):
+        raise InputError(f"countdown_task.py generate: {message}")
+    if args.size < 1:
+        refuse(f"--size {args.size}: need at least 1 task")
+    if not 1 <= args.min_numbers <= args.max_numbers <= MAX_NUMBERS:
+        refuse(f"--min-numbers {args.min_numbers} --max-numbers {args.max_numbers}: need 1 <= --min-numbers <= "
+               f"--max-numbers <= {MAX_NUMBERS}")
+    if not 1 <= args.min_number <= args.max_number:
+        refuse(f"--min-number {args.min_number} --max-number {args.max_number}: need 1 <= --min-number <= --max-number")
+    if not 1 <= args.min_target <= args.max_target:
+        refuse(f"--min-target {args.min_target} --max-target {args.max_target}: need 1 <= --min-target <= --max-target")
+    largest = largest_value(args.max_numbers, args.max_number)
+    if largest < args.min_target:
+        refuse(f"--min-target {args.min_target}: {args.max_numbers} numbers of at most {args.max_number} reach at "
+               f"most {largest}, so no task is solvable; lower --min-target or raise --max-number/--max-numbers")
+
+
+def largest_value(count: int, number: int) -> int:
+    """The largest value integer steps reach from `count` numbers of at most `number`."""
+    return count if number == 1 else number ** count
+
+
 def generate(args: argparse.Namespace) -> Path:
-    if not 1 <= args.min_numbers <= args.max_numbers:
-        raise ValueError(f"need 1 <= --min-numbers <= --max-numbers, got {args.min_numbers} and {args.max_numbers}")
-    if not 0 <= args.min_number <= args.max_number or not 1 <= args.min_target <= args.max_target:
-        raise ValueError("need 0 <= --min-number <= --max-number and 1 <= --min-target <= --max-target")
+    check_generator_arguments(args)
     rng = random.Random(args.seed)
-    tasks = []
-    for _ in progress_bar(range(args.size), desc="generating CountDown tasks", unit="task"):
-        task = generate_task(rng, args)
-        # The random tree already proves solvability; the independent solver double-checks it.
-        if solve(task["nums"], task["target"]) is None:
-            raise AssertionError(f"solver found no solution for generated task {task}")
-        tasks.append(task)
+    tasks = [generate_task(rng, args)
+             for _ in progress_bar(range(args.size), desc="generating CountDown tasks", unit="task")]
     columns = {
         "target": pa.array([task["target"] for task in tasks], pa.int64()),
         "nums": pa.array([task["nums"] for task in tasks], pa.list_(pa.int64())),
@@ -409,10 +528,9 @@ def command_line_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-numbers", type=int, default=3, help="fewest numbers per task")
     gen.add_argument("--max-numbers", type=int, default=4, help="most numbers per task")
     gen.add_argument("--min-number", type=int, default=1, help="smallest number drawn")
-    gen.add_argument("--max-number", type=int, default=100, help="largest number drawn")
-    gen.add_argument("--min-target", type=int, default=1)
-    gen.add_argument("--max-target", type=int, default=100)
-    gen.add_argument("--expressions-per-draw", type=int, default=20, help="random expressions tried before redrawing the numbers")
+    gen.add_argument("--max-number", type=int, default=99, help="largest number drawn")
+    gen.add_argument("--min-target", type=int, default=10, help="smallest target drawn")
+    gen.add_argument("--max-target", type=int, default=100, help="largest target drawn")
     gen.add_argument("--with-solutions", action="store_true", help="add a `solution` column with one reference expression (for SFT)")
     return parser
 
@@ -426,7 +544,12 @@ def shortest_prompt(tokenizer, args: argparse.Namespace, question_last: bool) ->
 
 def main(argv: list[str] | None = None) -> None:
     args = command_line_parser().parse_args(argv)
-    print(f"wrote {generate(args)}")
+    try:
+        print(f"wrote {generate(args)}")
+    except InputError as error:
+        if argv is not None:  # called from Python (bootstrap, benches, tests): the caller decides
+            raise
+        exit_on_input_error(error)
 
 
 if __name__ == "__main__":

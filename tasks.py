@@ -6,6 +6,10 @@ Every task module exposes the same small interface:
     reward(response, item, end_token) -> {"reward", "reward_info": {"format_reward", "answer_reward"}}
     sft_response(item) -> the reference response SFT learns for an item that has a solution
     SFT_CONFIG: the train_sft.py config of the task's warm-up
+and may expose
+    sft_search_response(item) -> a reference response that searches (SFT's data.response: search)
+    shortcut_baseline(train_set) -> an object whose report(samples) gives the metrics that a trivial policy
+        scores beside the model's (CountDown: the best fixed answer forms, countdown_forms.py)
 Success and format are read from reward_info the same way for every task (is_success, is_well_formatted).
 """
 
@@ -44,12 +48,23 @@ def is_well_formatted(reward_info: dict[str, float]) -> bool:
     return reward_info["format_reward"] > 0
 
 
-def sft_pairs(config: TaskConfig, tokenizer) -> list[dict[str, str]]:
-    """{"prompt", "response"} pairs from the task's training split and its reference solutions (as text:
-    train_sft tokenizes them all at once)."""
+def sft_pairs(config: TaskConfig, tokenizer, response: str = "solution") -> list[dict[str, str]]:
+    """{"prompt", "response"} pairs from the task's training split and its reference responses (as text:
+    train_sft tokenizes them all at once): its solutions, or (response "search", CountDown) the search traces
+    its exact solver writes, which need no solution column."""
     dataset = load_dataset(config, tokenizer, "train")
-    if "solution" not in dataset.example(0):  # CountDown data from the Hub, or generated without --with-solutions
+    if response == "search":
+        write = get(config).sft_search_response
+    elif "solution" not in dataset.example(0):  # CountDown data from the Hub, or generated without --with-solutions
         raise config_lib.DataError(f"task.data_dir: {config.data_dir} holds no reference solutions (no `solution` "
                                    f"column). {countdown_data_hint(Path(config.data_dir), with_solutions=True)}")
+    else:
+        write = get(config).sft_response
     items = map(dataset.example, range(len(dataset)))
-    return [{"prompt": item["prompt"], "response": get(config).sft_response(item)} for item in items]
+    return [{"prompt": item["prompt"], "response": write(item)} for item in items]
+
+
+def shortcut_baseline(config: TaskConfig, train_set):
+    """The task's shortcut baseline, fitted on its training split, or None if the task has none."""
+    fit = getattr(get(config), "shortcut_baseline", None)
+    return fit and fit(train_set)

@@ -149,7 +149,7 @@ def load_examples(config: SFTConfig, tokenizer):
     if config.data.train_jsonl:
         train_pairs = read_pairs(config.data.train_jsonl)
     else:
-        train_pairs = tasks.sft_pairs(config.task, tokenizer)
+        train_pairs = tasks.sft_pairs(config.task, tokenizer, config.data.response)
     if config.data.eval_jsonl:
         eval_pairs = read_pairs(config.data.eval_jsonl)
     else:

@@ -134,6 +134,9 @@ def test_prompt_limit_no_prompt_fits_is_refused_before_the_bootstrap_works(tmp_p
     ("seed=-3", "seed: must be in [0, 4294967295], got -3"),
     ("optim.learning_rate=nan", "optim.learning_rate: must be a finite number, got 'nan'"),
     ("optim.min_learning_rate_ratio=.inf", "optim.min_learning_rate_ratio: must be a finite number, got inf"),
+    ("data.response=trace", "data.response: 'trace' is not allowed; use one of 'solution', 'search'"),
+    ("task.name=gsm8k data.response=search", "data.response: 'search' is a CountDown response; task.name 'gsm8k' "
+     "has 'solution' only, got 'search'"),
 ])
 def test_bad_sft_value_stops_before_any_work(override, message, tmp_path, capsys):
     paths = [f"--set=model.dir={tmp_path / 'model'}", f"--set=output_dir={tmp_path / 'out'}",

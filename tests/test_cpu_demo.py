@@ -34,7 +34,7 @@ def test_shortened_demo_learns_and_its_checkpoint_evaluates_greedily(tmp_path):
         f"logging.log_dir={tmp_path / 'logs'}", f"checkpoint.dir={tmp_path / 'checkpoints'}",
         "progress=false", "cpu_threads=1", "optim.num_steps=30", "eval.interval=30", "eval.max_questions=128",
         "task.test_size=128",
-        "bootstrap.dataset_args=--size 12000 --seed 0 --min-numbers 2 --max-numbers 2 --max-number 20 --with-solutions",
+        "bootstrap.dataset_args=--size 12000 --seed 0 --min-numbers 2 --max-numbers 2 --max-number 20 --max-target 40 --with-solutions",
         f"bootstrap.sft_overrides=[model.dir={tmp_path / 'base-model'}, logging.log_dir={tmp_path / 'logs'},"
         f" checkpoint.dir={tmp_path / 'checkpoints'},"
         " optim.num_steps=300, optim.stop_at_success=null, eval.interval=0, progress=false, cpu_threads=1]",
@@ -63,7 +63,7 @@ def test_shortened_demo_learns_and_its_checkpoint_evaluates_greedily(tmp_path):
 TINY_BENCH = [
     "task.test_size=48", "eval.max_questions=16", "eval.interval=2", "optim.num_steps=2", "checkpoint.interval=0",
     "rollout.episodes_per_step=16", "cpu_threads=1",
-    "bootstrap.dataset_args=--size 400 --min-numbers 2 --max-numbers 2 --max-number 20 --with-solutions",
+    "bootstrap.dataset_args=--size 400 --min-numbers 2 --max-numbers 2 --max-number 20 --max-target 40 --with-solutions",
     "bootstrap.sft_overrides=[optim.num_steps=8, optim.stop_at_success=null, eval.interval=0, data.eval_size=16]",
 ]
 
