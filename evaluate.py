@@ -145,8 +145,10 @@ def evaluate(
     config: EvalConfig,
     generator: torch.Generator | None = None,
     progress: bool = True,
+    baseline=None,
 ) -> tuple[dict[str, float], list[dict]]:
-    """Success, format and length metrics over the first `config.max_questions` items, and every sample.
+    """Success, format and length metrics over the first `config.max_questions` items, and every sample;
+    with the task's shortcut baseline (tasks.shortcut_baseline), its report of the samples beside them.
 
     Each batch of questions is a GRPO rollout (sampled and scored the same way) with the eval settings.
     Data-parallel: each rank answers its share of the questions; every rank returns all samples.
@@ -179,22 +181,42 @@ def evaluate(
                     }
                 )
     samples = distributed.all_ranks(samples)
-    return summarize(samples, config.num_samples), samples
+    metrics = summarize(samples, config.num_samples)
+    return (metrics | baseline.report(samples) if baseline else metrics), samples
 
 
 def run_evaluation(model, tokenizer, dataset, *, reward, max_gen_len: int, config: EvalConfig, seed: int,
-                   run_logger, step: int, progress: bool) -> dict[str, float]:
+                   run_logger, step: int, progress: bool, baseline=None) -> dict[str, float]:
     """evaluate() during training, sampling from `seed`; its metrics go to TensorBoard as eval/* at
-    `step` (rank 0's run_logger) and to one console line."""
+    `step` (rank 0's run_logger; texts such as the policy's form as eval/forms) and to the console."""
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     metrics, samples = evaluate(model, tokenizer, dataset, reward=reward, max_gen_len=max_gen_len, config=config,
-                                generator=generator, progress=progress)
+                                generator=generator, progress=progress, baseline=baseline)
+    texts = {key: value for key, value in metrics.items() if isinstance(value, str)}
     if run_logger:  # rank 0 only
-        run_logger.scalars({f"eval/{key}": value for key, value in metrics.items()}, step)
+        run_logger.scalars({f"eval/{key}": value for key, value in metrics.items() if key not in texts}, step)
         run_logger.text("eval/sample", f"{samples[0]['prompt']}{samples[0]['response']}", step)
-    logger.info("eval step %d: success %.3f format %.3f (%d questions)", step, metrics["success_rate"],
-                metrics["format_rate"], metrics["num_questions"])
+        if texts:
+            run_logger.text("eval/forms", "\n".join(f"{key}: {value}" for key, value in texts.items()), step)
+    logger.info("eval step %d: success %.3f format %.3f (%d questions)%s", step, metrics["success_rate"],
+                metrics["format_rate"], metrics["num_questions"], "".join(
+                    f"\n  {line}" for line in baseline_lines(metrics)))
     return metrics
+
+
+def baseline_lines(metrics: dict) -> list[str]:
+    """One console line per number count of a report with a shortcut baseline (countdown_forms.py)."""
+    lines = []
+    for count in sorted({key.split("_numbers/")[0] for key in metrics if "_numbers/" in key}, key=int):
+        value = lambda name: metrics.get(f"{count}_numbers/{name}")
+        line = (f"{count} numbers: success {value('success'):.3f} of {value('questions')} questions; "
+                f"writes `{value('policy_form')}` {value('policy_form_share'):.0%}")
+        if value("best_form") is not None:
+            line += (f"; best form `{value('best_form')}` solves {value('best_form_coverage'):.3f}, the top 10 "
+                     f"{value('top10_forms_coverage'):.3f}; success outside them {value('success_outside_top10'):.3f} "
+                     f"of {value('questions_outside_top10')}")
+        lines.append(line)
+    return lines
 
 
 def summarize(samples: list[dict], num_samples: int) -> dict[str, float]:
@@ -229,11 +251,13 @@ def run(config: EvaluateConfig, split: str, out_path: Path) -> None:
     set_cpu_threads(config.cpu_threads)
     tokenizer = Tokenizer(config.model.dir)
     dataset = tasks.load_dataset(config.task, tokenizer, split)
+    # Forms are chosen on training rows, never on the scored ones (evaluating the train split: no baseline).
+    baseline = split == "test" and tasks.shortcut_baseline(config.task, tasks.load_dataset(config.task, tokenizer, "train"))
     model = load_model(config.model, device)
     generator = torch.Generator(device=device).manual_seed(config.seed)
     metrics, samples = evaluate(model, tokenizer, dataset, reward=tasks.get(config.task).reward,
                                 max_gen_len=config.eval.max_gen_len, config=config.eval, generator=generator,
-                                progress=config.progress and distributed.is_main_process())
+                                progress=config.progress and distributed.is_main_process(), baseline=baseline)
     if not distributed.is_main_process():
         return
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -241,6 +265,7 @@ def run(config: EvaluateConfig, split: str, out_path: Path) -> None:
         for sample in samples:
             out.write(json.dumps(sample) + "\n")
     print(json.dumps(metrics, indent=2))
+    print("\n".join(baseline_lines(metrics)))
     print(f"wrote {len(samples)} samples to {out_path}")
 
 

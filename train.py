@@ -165,7 +165,8 @@ def train(config: TrainConfig, resume: str | None = None, overwrite: bool = Fals
 
     evaluation = functools.partial(run_evaluation, model, tokenizer, test_set, reward=reward,
                                    max_gen_len=config.eval.max_gen_len or config.rollout.max_gen_len, config=config.eval,
-                                   seed=config.seed, run_logger=run_logger, progress=progress)
+                                   seed=config.seed, run_logger=run_logger, progress=progress,
+                                   baseline=tasks.shortcut_baseline(config.task, train_set))
     eval_metrics = evaluation(step=0) if config.eval.interval and start_step == 0 else {}
 
     def sample_round(step: int, round_index: int) -> list[Episode]:  # this rank's share of a round's questions

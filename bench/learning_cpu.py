@@ -126,20 +126,24 @@ def max_gen_len(config: train.TrainConfig) -> int:
 
 
 def held_out_scores(model_dir: Path, config: train.TrainConfig, seed: int) -> dict:
-    """Success and format rate on the whole held-out split, one answer per question, at T=1 and greedy."""
+    """Success and format rate on the whole held-out split, one answer per question, at T=1 and greedy, with
+    the shortcut baseline per number count (`forms_t1`, `forms_greedy`: countdown_forms.py's report)."""
     device = resolve_device(config.device)
     model = load_model(config.model, device, model_dir)
     tokenizer = Tokenizer(model_dir)
     test_set = tasks.load_dataset(config.task, tokenizer, "test")
+    baseline = tasks.shortcut_baseline(config.task, tasks.load_dataset(config.task, tokenizer, "train"))
     scores = {}
     for name, temperature in (("t1", 1.0), ("greedy", 0.0)):
         eval_config = EvalConfig(max_questions=None, batch_size=config.eval.batch_size, num_samples=1,
                                  temperature=temperature, max_gen_len=config.eval.max_gen_len)
         generator = torch.Generator(device=device).manual_seed(seed)
         metrics, _ = evaluate(model, tokenizer, test_set, reward=tasks.get(config.task).reward,
-                              max_gen_len=max_gen_len(config), config=eval_config, generator=generator, progress=False)
+                              max_gen_len=max_gen_len(config), config=eval_config, generator=generator, progress=False,
+                              baseline=baseline)
         scores[f"success_{name}"] = round(metrics["success_rate"], 4)
         scores[f"format_{name}"] = round(metrics["format_rate"], 4)
+        scores[f"forms_{name}"] = {key: value for key, value in metrics.items() if "_numbers/" in key}
         scores["questions"] = metrics["num_questions"]
     return scores
 
@@ -162,7 +166,7 @@ def run_seed(args: argparse.Namespace, seed: int, cache_dir: Path, out: Path) ->
     set_cpu_threads(config.cpu_threads)
     # The SFT model's scores, kept with it: they depend only on it, the seed and these settings.
     before_file = stage_dir / (f"held_out_{config.task.test_size}q_gen{max_gen_len(config)}"
-                               f"_batch{config.eval.batch_size}.json")
+                               f"_batch{config.eval.batch_size}_forms.json")
     if not before_file.is_file():
         before_file.write_text(json.dumps(held_out_scores(stage_dir / "sft-model", config, seed), indent=2) + "\n")
     before = json.loads(before_file.read_text())
@@ -227,23 +231,46 @@ COLUMNS = [  # (header, how to read it from a seed's result, format)
 ]
 
 
+def form_columns(results: list[dict]) -> list[tuple]:
+    """The shortcut baseline's columns, per number count of the held-out questions, greedy (COLUMNS' layout)."""
+    counts = sorted({int(key.split("_")[0]) for r in results for key in r["after"].get("forms_greedy", {})})
+    columns = []
+    for count in counts:
+        read = lambda stage, name, count=count: lambda r: 100 * r[stage]["forms_greedy"].get(f"{count}_numbers/{name}", 0.0)
+        columns += [(f"{count}n SFT", read("before", "success"), "{:.1f}"),
+                    (f"{count}n GRPO", read("after", "success"), "{:.1f}"),
+                    (f"{count}n best form", read("after", "best_form_coverage"), "{:.1f}"),
+                    (f"{count}n top-10 forms", read("after", "top10_forms_coverage"), "{:.1f}"),
+                    (f"{count}n outside top-10", read("after", "success_outside_top10"), "{:.1f}"),
+                    (f"{count}n own form share", read("after", "policy_form_share"), "{:.0f}")]
+    return columns
+
+
 def markdown_table(results: list[dict]) -> str:
     questions = results[0]["held_out_questions"]
     standard_error = 100 * math.sqrt(0.25 / questions)
-    lines = ["| seed | " + " | ".join(header for header, _, _ in COLUMNS) + " | bar |",
-             "|---" * (len(COLUMNS) + 2) + "|"]
+    columns = COLUMNS + form_columns(results)
+    lines = ["| seed | " + " | ".join(header for header, _, _ in columns) + " | bar |",
+             "|---" * (len(columns) + 2) + "|"]
     for result in results:
         failed = [name for name, ok in meets_bar(result).items() if not ok]
-        cells = [form.format(read(result)) for _, read, form in COLUMNS]
+        cells = [form.format(read(result)) for _, read, form in columns]
         verdict = "met" if not failed else "missed: " + ", ".join(failed)
         lines.append(f"| {result['seed']} | " + " | ".join(cells) + f" | {verdict} |")
     for name, reduce in (("mean", statistics.mean), ("min", min), ("max", max)):
-        cells = [form.format(reduce([read(r) for r in results])) for _, read, form in COLUMNS]
+        cells = [form.format(reduce([read(r) for r in results])) for _, read, form in columns]
         lines.append(f"| {name} | " + " | ".join(cells) + " | |")
+    forms = "; ".join(f"seed {r['seed']}: " + ", ".join(
+        f"{key.split('_')[0]}n `{value}`" for key, value in r["after"].get("forms_greedy", {}).items()
+        if key.endswith("/policy_form")) for r in results)
     lines += ["", f"Success in % on the {questions} held-out questions, one answer each; the standard error of one "
               f"number is at most {standard_error:.2f} points (p = 0.5). SFT = the model GRPO starts from; GRPO = the "
               "final checkpoint. Times in seconds (cached stages: 0 or their first run's time); demo s = dataset + "
-              "base model + SFT + GRPO with its evaluations; load = 1-minute load average at the end of GRPO."]
+              "base model + SFT + GRPO with its evaluations; load = 1-minute load average at the end of GRPO. "
+              "Nn columns (greedy, questions with N numbers): success of the SFT model and of GRPO's final checkpoint; "
+              "the share the best single fixed form solves and the 10 best forms together (chosen on training rows); "
+              "GRPO's success on the questions none of those 10 solves; the share of its answers in its most used "
+              f"form ({forms}). See docs/tasks_and_rewards.md."]
     return "\n".join(lines) + "\n"
 
 

@@ -12,30 +12,28 @@ with --out writes JSON: per seed the success fractions, the whole recipe's wall 
 of its largest stage.
 
 A small model can raise its score by writing one fixed form for every question (say `a + b - c`, the numbers
-in the order given) when the data holds many questions that form solves. So the bench also reports the final
-greedy answers' most common form, its share of the answers, and the success that form alone would score on
-every held-out question: a final score at that form's own success is a learned shortcut, not arithmetic.
+in the order given) when the data holds many questions that form solves. So the bench reports, per number
+count, the shortcut baseline (countdown_forms.py) beside the greedy scores: what the best single form and the
+10 best forms chosen on training rows solve, the success on the questions none of them solves, and the share
+of the final answers in their most used form.
 """
 
 import argparse
 import json
 import os
-import re
 import shlex
 import statistics
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import config as config_lib  # noqa: E402
-from answer_format import extract_answer_text  # noqa: E402
 from config import TrainConfig  # noqa: E402
-from countdown_task import answer_reward  # noqa: E402
+from countdown_task import CountdownDataset, shortcut_baseline  # noqa: E402
 
 GRPO_CONFIG = REPO / "configs" / "smollm2_cpu.yaml"
 # The bar of the real-model issue, per seed (fractions, seconds, MiB).
@@ -58,43 +56,6 @@ def run_stage(name: str, arguments: list[str], log_dir: Path) -> dict:
 
 def success(samples: list[dict]) -> float:
     return sum(sample["reward_info"]["answer_reward"] > 0 for sample in samples) / len(samples)
-
-
-POSITIONS = "abcd"  # the question's numbers, in the order the prompt gives them
-
-
-def answer_form(response: str, numbers: list[int]) -> str | None:
-    """The answer with each of the question's numbers written as its position and the spaces dropped:
-    `<answer> 34 + 66 - 10 </answer>` for [34, 66, 10] is `a+b-c`. None without a single answer pair."""
-    text = extract_answer_text(response)
-    if text is None:
-        return None
-    unused = dict(enumerate(numbers))
-
-    def position(literal: re.Match) -> str:
-        index = next((index for index, number in unused.items() if number == int(literal.group())), None)
-        if index is None:
-            return literal.group()
-        del unused[index]
-        return POSITIONS[index]
-
-    return re.sub(r"\d+", position, "".join(text.split()))
-
-
-def shortcut_check(samples: list[dict]) -> dict:
-    """The answers' most common form, its share of them, and the success that one form would score if it
-    were written for every question (a form with anything but positions, digits and + - * / ( ) scores 0)."""
-    forms = Counter(answer_form(sample["response"], sample["nums"]) for sample in samples)
-    top_form, count = forms.most_common(1)[0]
-    solved = 0
-    if top_form is not None and re.fullmatch(r"[abcd\d+\-*/()]+", top_form):
-        solved = sum(answer_reward(f"<answer>{fill_form(top_form, sample['nums'])}</answer>", sample["nums"],
-                                   sample["target"]) > 0 for sample in samples)
-    return {"top_form": top_form, "top_form_share": count / len(samples), "top_form_success": solved / len(samples)}
-
-
-def fill_form(form: str, numbers: list[int]) -> str:
-    return re.sub("[abcd]", lambda letter: str(numbers[POSITIONS.index(letter.group())]), form)
 
 
 def evaluate_stage(name: str, model_dir: Path, temperature: float, config: TrainConfig, work: Path,
@@ -133,10 +94,9 @@ def run_seed(model: str, seed: int, work: Path, threads: int) -> dict:
             stages[f"eval_{label}_{kind}"], samples[f"{label}_{kind}"] = evaluate_stage(
                 f"eval_{label}_{kind}", model_dir, temperature, config, work, threads)
     scores = {key: success(answers) for key, answers in samples.items()}
-    shortcut = shortcut_check(samples["final_greedy"])
+    baseline = shortcut_baseline(CountdownDataset(work / "countdown", None, "train", test_size=config.task.test_size))
     return {"seed": seed, **{key: round(value, 4) for key, value in scores.items()},
-            "final_top_form": shortcut["top_form"], "final_top_form_share": round(shortcut["top_form_share"], 4),
-            "final_top_form_success": round(shortcut["top_form_success"], 4),
+            **{f"forms_{key}": baseline.report(answers) for key, answers in samples.items()},
             "gain_greedy": round(scores["final_greedy"] - scores["sft_greedy"], 4),
             "gain_t1": round(scores["final_t1"] - scores["sft_t1"], 4),
             "held_out_questions": config.task.test_size,
@@ -152,27 +112,45 @@ def meets_bar(result: dict) -> bool:
 COLUMNS = [("SFT greedy", "sft_greedy", 100, "{:.1f}"), ("final greedy", "final_greedy", 100, "{:.1f}"),
            ("gain greedy", "gain_greedy", 100, "{:+.1f}"), ("SFT T=1", "sft_t1", 100, "{:.1f}"),
            ("final T=1", "final_t1", 100, "{:.1f}"), ("gain T=1", "gain_t1", 100, "{:+.1f}"),
-           ("top form share", "final_top_form_share", 100, "{:.0f}"),
-           ("top form alone", "final_top_form_success", 100, "{:.1f}"),
            ("minutes", "seconds", 1 / 60, "{:.1f}"), ("peak RSS MiB", "peak_rss_mib", 1, "{:.0f}")]
+FORM_COLUMNS = [  # per number count, greedy: (header, samples, countdown_forms report key, format)
+    ("SFT", "forms_sft_greedy", "success", "{:.1f}"), ("final", "forms_final_greedy", "success", "{:.1f}"),
+    ("best form", "forms_final_greedy", "best_form_coverage", "{:.1f}"),
+    ("top-10 forms", "forms_final_greedy", "top10_forms_coverage", "{:.1f}"),
+    ("outside top-10", "forms_final_greedy", "success_outside_top10", "{:.1f}"),
+    ("own form share", "forms_final_greedy", "policy_form_share", "{:.0f}")]
+
+
+def table_columns(results: list[dict]) -> list[tuple]:
+    """COLUMNS, then the shortcut baseline's per number count, each as (header, read, format)."""
+    columns = [(header, lambda r, key=key, scale=scale: r[key] * scale, form) for header, key, scale, form in COLUMNS]
+    counts = sorted({int(key.split("_")[0]) for r in results for key in r["forms_final_greedy"]})
+    for count in counts:
+        columns += [(f"{count}n {header}", lambda r, forms=forms, key=f"{count}_numbers/{name}":
+                     100 * r[forms].get(key, 0.0), form) for header, forms, name, form in FORM_COLUMNS]
+    return columns
 
 
 def markdown_table(results: list[dict]) -> str:
-    lines = ["| seed | " + " | ".join(header for header, *_ in COLUMNS) + " | bar |", "|---" * (len(COLUMNS) + 2) + "|"]
+    columns = table_columns(results)
+    lines = ["| seed | " + " | ".join(header for header, *_ in columns) + " | bar |", "|---" * (len(columns) + 2) + "|"]
     for result in results:
-        cells = [form.format(result[key] * scale) for _, key, scale, form in COLUMNS]
+        cells = [form.format(read(result)) for _, read, form in columns]
         lines.append(f"| {result['seed']} | " + " | ".join(cells) + f" | {'met' if meets_bar(result) else 'missed'} |")
     if len(results) > 1:
         for name, reduce in (("mean", statistics.mean), ("min", min), ("max", max)):
-            cells = [form.format(reduce(r[key] for r in results) * scale) for _, key, scale, form in COLUMNS]
+            cells = [form.format(reduce(read(r) for r in results)) for _, read, form in columns]
             lines.append(f"| {name} | " + " | ".join(cells) + " | |")
     questions = results[0]["held_out_questions"]
+    forms = "; ".join(f"seed {r['seed']}: " + ", ".join(f"{key.split('_')[0]}n `{value}`" for key, value in
+                                                         r["forms_final_greedy"].items() if key.endswith("/policy_form"))
+                      for r in results)
     lines += ["", f"Success in % on {questions} held-out questions (one answer each; standard error <= "
               f"{100 * (0.25 / questions) ** 0.5:.1f} points). SFT = GRPO's start. minutes: the whole recipe (data, "
-              "SFT, GRPO, the four evaluations); peak RSS: its largest stage. top form: the final greedy answers' "
-              "most common form (" + ", ".join(f"seed {r['seed']}: `{r['final_top_form']}`" for r in results) +
-              "; a, b, c: the numbers in the prompt's order), its share of the answers in %, and the success it "
-              "alone scores written for every held-out question."]
+              "SFT, GRPO, the four evaluations); peak RSS: its largest stage. Nn columns (greedy, questions with N "
+              "numbers): the SFT and final success; the share the best single fixed form and the 10 best forms "
+              "together solve (chosen on training rows); the final success on the questions none of those 10 solves; "
+              f"the share of the final answers in their most used form ({forms}). See docs/tasks_and_rewards.md."]
     return "\n".join(lines) + "\n"
 
 

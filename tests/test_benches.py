@@ -198,34 +198,6 @@ def test_variants_table_gives_mean_min_max_over_seeds(tmp_path):
         "| 52.0 [47.0, 57.0] | +3.0 [-1.0, +7.0] | 250 [200, 300] | 4 [4, 4] | 150 [100, 200] |",
     ]
 
-def answer(expression: str) -> str:
-    return f" some thoughts </think>\n<answer> {expression} </answer>"
-
-
-def test_answer_form_writes_the_numbers_by_their_place_in_the_prompt():
-    from bench.real_model_cpu import answer_form
-    assert answer_form(answer("34 + 66 - 10"), [34, 66, 10]) == "a+b-c"
-    assert answer_form(answer("(10 - 66) * 34"), [34, 66, 10]) == "(c-b)*a"
-    assert answer_form(answer("20 + 6 - 6"), [20, 6, 6]) == "a+b-c"  # a repeated number: first unused place
-    assert answer_form(answer("34 + 7"), [34, 66, 10]) == "a+7"  # a number not in the question stays
-    assert answer_form(" 34 + 66 - 10 </think>", [34, 66, 10]) is None
-
-
-def test_shortcut_check_scores_the_most_common_form_on_every_question():
-    from bench.real_model_cpu import shortcut_check
-    questions = [([1, 2, 3], 0), ([5, 5, 2], 8), ([4, 3, 2], 9), ([10, 2, 3], 4)]  # a + b - c: 0, 8, 5, 9
-    responses = [answer("1 + 2 - 3"), answer("5 + 5 - 2"), answer("4 + 3 - 2"), answer("10 - 2 * 3")]
-    samples = [{"nums": nums, "target": target, "response": response}
-               for (nums, target), response in zip(questions, responses)]
-    # The answers solve 3 of 4 (the last one is not the form); the form alone solves 2 of 4.
-    assert shortcut_check(samples) == {"top_form": "a+b-c", "top_form_share": 0.75, "top_form_success": 0.5}
-    # A form that is not an expression of the places (words, or no answer at all) solves nothing.
-    worded = [{**sample, "response": answer("a plus b")} for sample in samples]
-    assert shortcut_check(worded)["top_form_success"] == 0
-    unanswered = [{**sample, "response": " no answer"} for sample in samples]
-    assert shortcut_check(unanswered) == {"top_form": None, "top_form_share": 1.0, "top_form_success": 0}
-
-
 def test_read_scalars_reads_a_run_without_tensorboards_info_lines(tmp_path, caplog):
     from torch.utils.tensorboard import SummaryWriter
 
@@ -236,3 +208,21 @@ def test_read_scalars_reads_a_run_without_tensorboards_info_lines(tmp_path, capl
     caplog.set_level("INFO")
     assert read_scalars(str(tmp_path)) == {"eval/success_rate": ([0, 10], [0.25, 0.5])}
     assert not [record for record in caplog.records if record.name.startswith("tensorboard")]
+
+
+def test_real_model_table_shows_the_shortcut_baseline_per_number_count():
+    from bench.real_model_cpu import markdown_table
+    forms = {"3_numbers/success": 0.30, "3_numbers/best_form": "a + b - c", "3_numbers/best_form_coverage": 0.19,
+             "3_numbers/top10_forms_coverage": 0.76, "3_numbers/success_outside_top10": 0.12,
+             "3_numbers/policy_form": "a + b - c", "3_numbers/policy_form_share": 0.4, "4_numbers/success": 0.05,
+             "4_numbers/policy_form": "none", "4_numbers/policy_form_share": 0.0}
+    result = {"seed": 0, "sft_greedy": 0.1, "final_greedy": 0.3, "gain_greedy": 0.2, "sft_t1": 0.05, "final_t1": 0.2,
+              "gain_t1": 0.15, "seconds": 1200, "peak_rss_mib": 3000, "held_out_questions": 512,
+              "forms_sft_greedy": {**forms, "3_numbers/success": 0.1}, "forms_final_greedy": forms}
+    lines = markdown_table([result]).splitlines()
+    header = lines[0].split(" | ")
+    row = dict(zip(header, lines[2].split(" | ")))
+    assert row["3n SFT"] == "10.0" and row["3n final"] == "30.0" and row["3n best form"] == "19.0"
+    assert row["3n top-10 forms"] == "76.0" and row["3n outside top-10"] == "12.0" and row["3n own form share"] == "40"
+    assert row["4n best form"] == "0.0" and row["4n final"] == "5.0"  # no forms of a count: 0, not a crash
+    assert "seed 0: 3n `a + b - c`, 4n `none`" in lines[-1]

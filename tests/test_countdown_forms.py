@@ -1,0 +1,115 @@
+"""The shortcut baseline: forms' exact coverage against the task's own parser, completeness against brute force,
+the greedy choice of the 10 best forms, the policy's form of an answer, and the per-count report by hand."""
+
+import random
+import re
+
+import numpy as np
+import pytest
+
+from countdown_forms import FormBaseline, all_forms, answer_form, best_forms, coverage
+from countdown_task import parse_expression
+from test_countdown_task import reachable_values
+
+
+def answer(expression: str) -> str:
+    return f" some thoughts </think>\n<answer> {expression} </answer>"
+
+
+def filled(form: str, numbers: list[int]) -> str:
+    return re.sub("[a-d]", lambda place: str(numbers["abcd".index(place.group())]), form)
+
+
+@pytest.mark.parametrize("count", [2, 3, 4])
+def test_coverage_agrees_with_the_tasks_exact_parser(count):
+    """Each form written out with a row's numbers and parsed by the reward's own parser (Fractions) solves the
+    row exactly when the vectorized integer evaluation says so, divisions by zero included (a / (b - c), b = c)."""
+    rng = random.Random(count)
+    rows = [([rng.randint(1, 6) for _ in range(count)], rng.randint(1, 30)) for _ in range(40)]
+    solved = coverage(rows)
+    for form, solved_rows in list(solved.items())[:: 7 if count == 4 else 1]:
+        for (numbers, target), is_solved in zip(rows, solved_rows):
+            assert is_solved == solved_by_parser(form, numbers, target), (form, numbers, target)
+
+
+@pytest.mark.parametrize("numbers", [[3, 5, 7], [2, 2, 9], [4, 6, 9, 2], [3, 3, 8, 8]])
+def test_forms_reach_every_value_brute_force_reaches(numbers):
+    values = set()
+    for form in all_forms(len(numbers)):
+        parsed = parse_expression(filled(form, numbers))
+        if parsed is not None:
+            values.add(parsed[0])
+    assert values == reachable_values(numbers)
+
+
+def test_form_counts_and_texts():
+    assert set(all_forms(2)) == {"a + b", "a * b", "a - b", "b - a", "a / b", "b / a"}
+    three = all_forms(3)
+    assert {"a + b - c", "c * (a + b)", "a - b * c", "c / (a - b)"} <= set(three)
+    assert all(sorted(re.findall("[a-c]", form)) == ["a", "b", "c"] for form in three)
+
+
+def test_best_forms_are_chosen_greedily_by_what_they_add():
+    # a + b - c solves rows 0-2 and no form more; rows 3 (a * b - c) and 4 (a - b - c) share no form, so greedy
+    # adds one form for each.
+    rows = [([5, 4, 2], 7), ([9, 1, 3], 7), ([2, 2, 0], 4), ([6, 7, 2], 40), ([20, 3, 4], 13)]
+    chosen = best_forms(rows, num_forms=3)
+    solved = coverage(rows)
+    assert solved[chosen[0]].sum() == max(int(row.sum()) for row in solved.values()) == 3
+    assert np.logical_or.reduce([solved[form] for form in chosen]).all()
+    assert best_forms(rows, num_forms=1) == chosen[:1]
+
+
+def test_answer_form_writes_the_numbers_by_their_place_in_the_prompt():
+    assert answer_form(answer("34 + 66 - 10"), [34, 66, 10]) == "a + b - c"
+    assert answer_form(answer("34 + (66 - 10)"), [34, 66, 10]) == "a + b - c"  # the same text as its form's
+    assert answer_form(answer("(10 - 66) * 34"), [34, 66, 10]) == "(c - b) * a"
+    assert answer_form(answer("20 + 6 - 6"), [20, 6, 6]) == "a + b - c"  # a repeated number: places in order
+    assert answer_form(answer("6 + 20 - 6"), [20, 6, 6]) == "b + a - c"
+    assert answer_form(answer("34 + 7"), [34, 66, 10]) is None  # not the prompt's numbers
+    assert answer_form(answer("34 + 66"), [34, 66, 10]) is None  # a number left out
+    assert answer_form(answer("-34 + 66 + 10"), [34, 66, 10]) is None  # unary minus: no form
+    assert answer_form(answer("a plus b"), [34, 66, 10]) is None
+    assert answer_form(" 34 + 66 - 10 </think>", [34, 66, 10]) is None
+
+
+def solved_by_parser(form: str, numbers: list[int], target: int) -> bool:
+    parsed = parse_expression(filled(form, numbers))
+    return parsed is not None and parsed[0] == target
+
+
+def sample(index: int, numbers: list[int], target: int, expression: str, right: bool) -> dict:
+    return {"question_index": index, "nums": numbers, "target": target, "response": answer(expression),
+            "reward_info": {"format_reward": 0.1, "answer_reward": float(right)}}
+
+
+def test_report_per_number_count_by_hand():
+    # Training rows: a + b - c solves all three 3-number rows; a * b the 2-number rows.
+    baseline = FormBaseline.fit([[1, 2, 3], [5, 5, 2], [4, 3, 2], [2, 3], [4, 5]], [0, 8, 5, 6, 20])
+    assert baseline.forms[3][0] == "a + b - c" and baseline.forms[2][0] == "a * b"
+    samples = [
+        sample(0, [10, 2, 3], 9, "10 + 2 - 3", True),   # a + b - c solves it
+        sample(1, [10, 2, 3], 4, "10 - 2 * 3", True),   # a + b - c does not; another top form may
+        sample(2, [7, 7, 7], 1, "7 / 7", False),        # wrong numbers: no form
+        sample(3, [1, 2, 3], 50, "1 + 2 - 3", False),   # no form of 1, 2, 3 reaches 50: outside every top form
+        sample(4, [2, 3], 6, "2 * 3", True),
+    ]
+    report = baseline.report(samples)
+    assert report["3_numbers/success"] == 0.5 and report["3_numbers/questions"] == 4
+    assert report["3_numbers/policy_form"] == "a + b - c" and report["3_numbers/policy_form_share"] == 0.5
+    assert report["3_numbers/best_form"] == "a + b - c" and report["3_numbers/best_form_coverage"] == 0.25
+    questions = [(s["nums"], s["target"]) for s in samples[:4]]
+    outside = [not any(solved_by_parser(form, *question) for form in baseline.forms[3]) for question in questions]
+    assert report["3_numbers/top10_forms_coverage"] == 1 - sum(outside) / 4
+    assert report["3_numbers/questions_outside_top10"] == sum(outside) >= 1  # question 3 at least
+    right_outside = [s["reward_info"]["answer_reward"] for s, out in zip(samples, outside) if out]
+    assert report["3_numbers/success_outside_top10"] == pytest.approx(sum(right_outside) / len(right_outside))
+    assert report["2_numbers/success"] == 1.0 and report["2_numbers/best_form_coverage"] == 1.0
+    assert report["2_numbers/policy_form"] == "a * b" and report["2_numbers/policy_form_share"] == 1.0
+
+
+def test_report_without_training_rows_of_a_count_gives_no_forms():
+    baseline = FormBaseline.fit([[1, 2, 3]], [6])
+    report = baseline.report([sample(0, [3, 4], 7, "3 + 4", True)])
+    assert report == {"2_numbers/success": 1.0, "2_numbers/questions": 1, "2_numbers/policy_form": "a + b",
+                      "2_numbers/policy_form_share": 1.0}
