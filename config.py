@@ -675,6 +675,8 @@ def _yaml_problem(error: yaml.YAMLError) -> str:
 
 def read_yaml(path) -> dict:
     path = Path(expand_path(path))
+    if path.is_dir():
+        raise ConfigError(f"config file '{path}' is a directory; pass a YAML file in it, e.g. '{path / 'config.yaml'}'")
     if not path.is_file():
         raise ConfigError(f"config file '{path}' does not exist")
     raw = path.read_bytes()

@@ -31,6 +31,9 @@ def model_download_hint(model_dir: Path) -> str:
 
 def read_hf_config(model_dir: Path) -> dict:
     """A model directory's config.json."""
+    if model_dir.exists() and not model_dir.is_dir():
+        raise MissingInputError(f"model directory '{model_dir}' is a file, not a directory: pass the directory that "
+                                f"holds config.json and the weights, or a Hub id")
     if not model_dir.is_dir():
         raise MissingInputError(f"model directory '{model_dir}' does not exist. {model_download_hint(model_dir)}")
     config_path = model_dir / "config.json"

@@ -2,6 +2,7 @@
 seeding, data order, checkpoints of the training state, and stopping on Ctrl-C or SIGTERM."""
 
 import logging
+import os
 import random
 import signal
 import sys
@@ -194,6 +195,7 @@ class StopRequest:
     after its current step (`stop.requested()`), so the step's work is saved; a second signal stops at once."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    warned_sigint_ignored = False
 
     def __init__(self):
         self.signal: signal.Signals | None = None
@@ -204,6 +206,10 @@ class StopRequest:
             # An ignored signal stays ignored (SIGINT in a script's background job); None: set outside Python.
             self.previous = {number: signal.signal(number, self.handle) or signal.SIG_DFL for number in self.SIGNALS
                              if signal.getsignal(number) != signal.SIG_IGN}
+            if signal.SIGINT not in self.previous and not StopRequest.warned_sigint_ignored:
+                StopRequest.warned_sigint_ignored = True  # once a process: train.py's warm-up and GRPO both enter
+                logger.warning("Ctrl-C (SIGINT) is ignored by this process (started in the background by a script?); "
+                               "SIGTERM (kill %d) still stops the run cleanly after its current step", os.getpid())
         return self
 
     def __exit__(self, *exception) -> None:

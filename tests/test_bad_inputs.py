@@ -81,6 +81,11 @@ BEFORE_TORCH = [
      "config error: cpu_threads: must be in [1, 1024], got 100000"),
     ("model directory missing", lambda p: shutil.rmtree(p.model), train_args,
      "missing input: model.dir: model directory '{model}' does not exist. Give a Hub id to download it at start-up"),
+    ("model directory a file", lambda p: write(p.file, ""), lambda p: train_args(p, f"model.dir={p.file}"),
+     "missing input: model.dir: model directory '{file}' is a file, not a directory: pass the directory that holds "
+     "config.json and the weights, or a Hub id"),
+    ("--config a directory", None, lambda p: ["train.py", "--config", str(p.tmp)],
+     "config error: config file '{tmp}' is a directory; pass a YAML file in it, e.g. '{tmp}/config.yaml'"),
     ("model without config.json", lambda p: (p.model / "config.json").unlink(), train_args,
      "missing input: model.dir: '{model}' has no config.json, so it is not a Hugging Face model directory"),
     ("config.json not JSON", lambda p: write(p.model / "config.json", "{model_type: qwen2"), train_args,

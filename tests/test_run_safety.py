@@ -1,6 +1,7 @@
 """No run loses or mixes data: the run-directory lock, checkpoint writes that survive a crash, retention,
 a bootstrap that builds only its own paths, and data errors that name file and row."""
 
+import logging
 import os
 import signal
 import subprocess
@@ -342,3 +343,20 @@ def test_a_first_signal_waits_for_the_step_a_second_stops_at_once(capsys):
     assert exit_info.value.code == 130
     assert capsys.readouterr().err == ("interrupted: stopped at once, without saving; --resume continues from the last "
                                        "checkpoint, if any\n")
+
+
+def test_an_inherited_ignored_sigint_is_said_once_with_what_still_stops_the_run(caplog, monkeypatch):
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers can only be set in the main thread")
+    monkeypatch.setattr(runtime.StopRequest, "warned_sigint_ignored", False)
+    outer = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as `cmd &` in a script starts it
+    try:
+        with caplog.at_level(logging.WARNING, logger="runtime"):
+            for _ in range(2):  # train.py's warm-up, then GRPO: one warning
+                with runtime.StopRequest():
+                    pass
+    finally:
+        signal.signal(signal.SIGINT, outer)
+    warnings = [record.getMessage() for record in caplog.records if "SIGINT" in record.getMessage()]
+    assert warnings == [f"Ctrl-C (SIGINT) is ignored by this process (started in the background by a script?); "
+                        f"SIGTERM (kill {os.getpid()}) still stops the run cleanly after its current step"]
