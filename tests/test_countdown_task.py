@@ -333,14 +333,18 @@ def test_solver_agrees_with_independent_brute_force(numbers):
             check_solution(numbers, target, solution)
 
 
-def test_solver_on_random_small_cases():
-    rng = random.Random(0)
-    for _ in range(30):
-        numbers = [rng.randint(1, 12) for _ in range(rng.randint(1, 3))]
-        reachable = reachable_values(numbers)
-        for target in range(1, 30):
-            solution = solve(numbers, target)
+@pytest.mark.parametrize("integer_steps", [False, True])
+def test_solver_on_random_small_cases(integer_steps):
+    """Every step (rational), or the public generator's integer steps only, against its own brute force."""
+    rng = random.Random(4 if integer_steps else 0)
+    for _ in range(60 if integer_steps else 30):
+        numbers = [rng.randint(1, 30 if integer_steps else 12) for _ in range(rng.randint(1, 4 if integer_steps else 3))]
+        reachable = integer_step_values(numbers) if integer_steps else reachable_values(numbers)
+        for target in range(0, 60):
+            solution = solve(numbers, target, integer_steps=integer_steps)
             assert (solution is not None) == (target in reachable), (numbers, target)
+            if solution is not None:
+                check_solution(numbers, target, solution)
 
 
 def test_solver_known_cases():
@@ -413,18 +417,6 @@ def test_generator_draws_as_the_public_dataset(tmp_path):
         numbers = [number for row in rows for number in row["nums"]]
         assert min(numbers) == 1 and max(numbers) == 99
         assert all(row["target"] in integer_step_values(row["nums"]) for row in rows[:300])
-
-
-def test_integer_steps_solver_agrees_with_brute_force():
-    rng = random.Random(4)
-    for _ in range(60):
-        numbers = [rng.randint(1, 30) for _ in range(rng.randint(1, 4))]
-        reachable = integer_step_values(numbers)
-        for target in range(0, 60):
-            solution = solve(numbers, target, integer_steps=True)
-            assert (solution is not None) == (target in reachable), (numbers, target)
-            if solution is not None:
-                check_solution(numbers, target, solution)
 
 
 def test_generator_options_and_determinism(tmp_path):
