@@ -264,8 +264,9 @@ def run(config: EvaluateConfig, split: str, out_path: Path) -> None:
     with open(out_path, "w") as out:
         for sample in samples:
             out.write(json.dumps(sample) + "\n")
+    for line in baseline_lines(metrics):  # the log, so that standard output stays the JSON
+        logger.info(line)
     print(json.dumps(metrics, indent=2))
-    print("\n".join(baseline_lines(metrics)))
     print(f"wrote {len(samples)} samples to {out_path}")
 
 

@@ -1,6 +1,7 @@
 """Held-out success curves of one or more train.py runs, read from their TensorBoard logs, on one plot.
 
     uv run bench/plot_curves.py --logdir logs/cpu-demo [--logdir ...] --out docs/cpu_demo_curves.png
+                                [--tag eval/3_numbers/success]
 
 bench/learning_cpu.py draws the README's figure with it: every seed's curve, the SFT start marked.
 """
@@ -29,11 +30,11 @@ def read_scalars(logdir: str) -> dict[str, tuple[list[int], list[float]]]:
     return series
 
 
-def success_curve(logdir: str) -> tuple[list[int], list[float]]:
+def success_curve(logdir: str, tag: str = SUCCESS_TAG) -> tuple[list[int], list[float]]:
     series = read_scalars(logdir)
-    if SUCCESS_TAG not in series:
-        raise SystemExit(f"{logdir} has no {SUCCESS_TAG} scalars; is it a train.py run directory with evaluations?")
-    return series[SUCCESS_TAG]
+    if tag not in series:
+        raise SystemExit(f"{logdir} has no {tag} scalars; is it a train.py run directory with evaluations?")
+    return series[tag]
 
 
 def plot_success_curves(curves: dict[str, tuple[list[int], list[float]]], out: str, title: str) -> None:
@@ -62,8 +63,9 @@ def main() -> None:
     parser.add_argument("--logdir", action="append", required=True, help="a run's TensorBoard directory (repeatable)")
     parser.add_argument("--out", default="docs/cpu_demo_curves.png")
     parser.add_argument("--title", default="CPU demo: GRPO on CountDown after the SFT warm-up")
+    parser.add_argument("--tag", default=SUCCESS_TAG, help="the scalar to draw, e.g. eval/3_numbers/success")
     args = parser.parse_args()
-    plot_success_curves({logdir: success_curve(logdir) for logdir in args.logdir}, args.out, args.title)
+    plot_success_curves({logdir: success_curve(logdir, args.tag) for logdir in args.logdir}, args.out, args.title)
 
 
 if __name__ == "__main__":

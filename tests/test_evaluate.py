@@ -36,7 +36,12 @@ def test_runs_with_only_model_and_data(tmp_path, tiny_model_dir, capsys):
     evaluate.main(["--model", str(tiny_model_dir), "--data", str(data), "--out", str(out), "--max-questions", "2"])
     samples = [json.loads(line) for line in out.read_text().splitlines()]
     assert [sample["num_tokens"] for sample in samples] == [1024, 1024]
-    assert json.loads(capsys.readouterr().out.split("\nwrote")[0])["num_questions"] == 2
+    metrics = json.loads(capsys.readouterr().out.split("\nwrote")[0])
+    assert metrics["num_questions"] == 2
+    # The shortcut baseline of each number count asked, its forms chosen on the training rows.
+    counts = {len(sample["nums"]) for sample in samples}
+    assert {key for key in metrics if key.endswith("/best_form_coverage")} == {f"{n}_numbers/best_form_coverage"
+                                                                                for n in counts}
 
 
 @pytest.mark.parametrize("arguments, message", [
