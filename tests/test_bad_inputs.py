@@ -201,7 +201,8 @@ AFTER_TORCH = [
      lambda p: (train_sft.main, sft_args(p, "data.max_seq_len=2", f"data.train_jsonl={p.tmp / 'pairs.jsonl'}",
                                          f"data.eval_jsonl={p.tmp / 'pairs.jsonl'}")[1:]),
      "config error: data.max_seq_len: no SFT example fits (the shortest has "),
-    ("SFT on CountDown data without solutions", None, lambda p: (train_sft.main, sft_args(p)[1:]),
+    ("SFT on CountDown data without solutions", None,  # the search response writes its own; solutions need the column
+     lambda p: (train_sft.main, sft_args(p, "data.response=solution")[1:]),
      "data error: task.data_dir: {data} holds no reference solutions (no `solution` column). SFT learns from "
      "reference solutions: generate data with them, `uv run countdown_task.py generate --out {data} --size 100000 "
      "--seed 0 --with-solutions`\n"),

@@ -38,10 +38,12 @@ def test_runs_with_only_model_and_data(tmp_path, tiny_model_dir, capsys):
     assert [sample["num_tokens"] for sample in samples] == [1024, 1024]
     metrics = json.loads(capsys.readouterr().out.split("\nwrote")[0])
     assert metrics["num_questions"] == 2
-    # The shortcut baseline of each number count asked, its forms chosen on the training rows.
+    # Success per number count asked; forms for the counts the training rows (the 2 before the test split) hold.
     counts = {len(sample["nums"]) for sample in samples}
+    assert {f"{n}_numbers/success" for n in counts} <= metrics.keys()
+    trained = {len(numbers) for numbers in countdown_task.read_tasks(data).column("nums").to_pylist()[:2]}
     assert {key for key in metrics if key.endswith("/best_form_coverage")} == {f"{n}_numbers/best_form_coverage"
-                                                                                for n in counts}
+                                                                                for n in counts & trained}
 
 
 @pytest.mark.parametrize("arguments, message", [
