@@ -13,13 +13,13 @@ picked greedily), never on the scored questions. docs/tasks_and_rewards.md expla
 """
 
 import functools
-import itertools
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 import numpy as np
 
-from countdown_task import EXPRESSION_TOKEN, NEGATE, extract_answer_text, parse_expression, reduce_expression, render
+from countdown_task import (EXPRESSION_TOKEN, NEGATE, extract_answer_text, node_pairs, parse_expression, reduce_expression,
+                            render)
 
 NUM_TOP_FORMS = 10
 FIT_ROWS_PER_COUNT = 2000  # training rows a number count's forms are chosen on: coverage SE <= 1.1 points
@@ -37,9 +37,7 @@ def all_forms(count: int) -> dict[str, tuple]:
         if len(nodes) == 1:
             forms.setdefault(form_text(nodes[0]), nodes[0])
             return
-        for first, second in itertools.combinations(range(len(nodes)), 2):
-            rest = [node for index, node in enumerate(nodes) if index not in (first, second)]
-            left, right = nodes[first], nodes[second]
+        for left, right, rest in node_pairs(nodes):
             for tree in (("+", left, right), ("*", left, right), ("-", left, right), ("-", right, left),
                          ("/", left, right), ("/", right, left)):
                 search(rest + [tree])

@@ -351,6 +351,13 @@ def render(node: Node) -> tuple[str, int]:
     return f"{left_text} {symbol} {right_text}", precedence
 
 
+def node_pairs(nodes: list):
+    """Every unordered pair of the nodes with the nodes left beside it, (first, second, rest): one search step's
+    choices (the solvers' and the forms' enumeration). A generator: a search that succeeds stops early."""
+    for first, second in itertools.combinations(range(len(nodes)), 2):
+        yield nodes[first], nodes[second], [node for index, node in enumerate(nodes) if index not in (first, second)]
+
+
 def solve(numbers: list[int], target: int, integer_steps: bool = False) -> str | None:
     """One expression using each number exactly once that equals target exactly, or None.
 
@@ -371,9 +378,8 @@ def solve(numbers: list[int], target: int, integer_steps: bool = False) -> str |
 def _search(nodes: list[Node], target: Fraction) -> Node | None:
     if len(nodes) == 1:
         return nodes[0] if nodes[0][0] == target else None
-    for first, second in itertools.combinations(range(len(nodes)), 2):
-        rest = [node for index, node in enumerate(nodes) if index not in (first, second)]
-        for left, symbol, right in operations(nodes[first], nodes[second]):
+    for first, second, rest in node_pairs(nodes):
+        for left, symbol, right in operations(first, second):
             solution = _search(rest + [combine(left, symbol, right)], target)
             if solution is not None:
                 return solution
@@ -399,9 +405,8 @@ def integer_steps_search(nodes: list[Node], target: int) -> Node | None:
         big, small = max(nodes[0][0], nodes[1][0]), min(nodes[0][0], nodes[1][0])
         if target not in (big + small, big * small, big - small) and not (small and big == target * small):
             return None
-    for first, second in itertools.combinations(range(len(nodes)), 2):
-        rest = [node for index, node in enumerate(nodes) if index not in (first, second)]
-        for combined in integer_steps(nodes[first], nodes[second]):
+    for first, second, rest in node_pairs(nodes):
+        for combined in integer_steps(first, second):
             solution = integer_steps_search(rest + [combined], target)
             if solution is not None:
                 return solution
@@ -432,9 +437,8 @@ def search_tries(numbers: list[int], target: int, max_dead_ends: int) -> list[No
         if len(nodes) == 1:
             tries.append(nodes[0])
             return nodes[0] if nodes[0][0] == target else None
-        candidates = [(combined, [node for index, node in enumerate(nodes) if index not in (first, second)])
-                      for first, second in itertools.combinations(range(len(nodes)), 2)
-                      for combined in integer_steps(nodes[first], nodes[second])]
+        candidates = [(combined, rest) for first, second, rest in node_pairs(nodes)
+                      for combined in integer_steps(first, second)]
         candidates.sort(key=lambda candidate: abs(candidate[0][0] - target))
         for combined, rest in candidates[: 1 if len(nodes) == 2 else None]:
             if (solution := search(rest + [combined])) is not None:

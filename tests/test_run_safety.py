@@ -346,8 +346,6 @@ def test_a_first_signal_waits_for_the_step_a_second_stops_at_once(capsys):
 
 
 def test_an_inherited_ignored_sigint_is_said_once_with_what_still_stops_the_run(caplog, monkeypatch):
-    if threading.current_thread() is not threading.main_thread():
-        pytest.skip("signal handlers can only be set in the main thread")
     monkeypatch.setattr(runtime.StopRequest, "warned_sigint_ignored", False)
     outer = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as `cmd &` in a script starts it
     try:
