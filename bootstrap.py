@@ -13,8 +13,10 @@ or generates it, before anything is built.
 
 import contextlib
 import logging
+import re
 import shlex
 import shutil
+import sys
 from pathlib import Path
 
 import checkpoint
@@ -34,6 +36,7 @@ def prepare_missing_inputs(config: BootstrapConfig, task: TaskConfig, model: Mod
     inputs.check_model_and_data(task, model, bootstrap=config)
     import countdown_task
     import tiny_model
+    from runtime import RunStopped
     from train_sft import SFTConfig, train_sft
 
     sft_config = None
@@ -51,12 +54,52 @@ def prepare_missing_inputs(config: BootstrapConfig, task: TaskConfig, model: Mod
         logger.info("generating the CountDown dataset %s", task.data_dir)
         countdown_task.main(["generate", "--out", task.data_dir, *shlex.split(config.dataset_args)])
     if sft_config is not None:
-        # A warm-up stopped by Ctrl-C goes on from its checkpoint; else it starts over (its old logs deleted).
-        interrupted = sft_config.run_name and checkpoint.latest_resumable(
-            Path(sft_config.checkpoint.dir) / sft_config.run_name)
-        logger.info("SFT warm-up: %s -> %s%s", sft_config.model.dir, model.dir,
+        sft_config.run_name, interrupted = warm_up_run(sft_config)
+        logger.info("SFT warm-up: %s -> %s, run %s%s", sft_config.model.dir, model.dir, sft_config.run_name,
                     f", continuing from {interrupted}" if interrupted else "")
-        train_sft(sft_config, resume=interrupted and str(interrupted), overwrite=not interrupted)
+        try:
+            train_sft(sft_config, resume=interrupted and str(interrupted))
+        except RunStopped as stop:  # rerunning the user's command finishes the warm-up, then trains
+            stop.continue_with(rerun_hint())
+            raise
+
+
+def warm_up_run(sft_config) -> tuple[str, Path | None]:
+    """The warm-up's run name, after its output (`sft-<output_dir>`, then `-2`, `-3`, ...), and the checkpoint
+    it continues from: that of a warm-up of this output that was stopped before it ended and was made as this
+    one is (model, data, seed). Else the first of those names an earlier run has not used: no warm-up's
+    checkpoints or curves are ever reused by another or replaced."""
+    base = sft_config.run_name or warm_up_name(sft_config.output_dir)
+    identity = checkpoint.run_identity(config_lib.to_dict(sft_config))
+    names = [base]
+    while checkpoint.holds_a_run(*run_directories(sft_config, names[-1])):
+        names.append(f"{base}-{len(names) + 1}")
+    for name in reversed(names[:-1]):  # the newest first
+        run_dir = run_directories(sft_config, name)[0]
+        latest = checkpoint.latest_resumable(run_dir)
+        if latest and not checkpoint.is_finished(run_dir) and checkpoint.run_identity(
+                config_lib.read_yaml(latest / checkpoint.RUN_CONFIG)) == identity:
+            return name, latest
+    return names[-1], None
+
+
+def warm_up_name(output_dir: str) -> str:
+    """`sft-` and the output's path (from here, if inside), one word: artifacts/cpu-demo/sft-model ->
+    sft-artifacts-cpu-demo-sft-model."""
+    absolute = Path(output_dir).absolute()
+    path = absolute.relative_to(Path.cwd()) if absolute.is_relative_to(Path.cwd()) else absolute
+    return "sft-" + re.sub(r"[^A-Za-z0-9._]+", "-", str(path)).strip("-")
+
+
+def run_directories(sft_config, name: str) -> tuple[Path, Path]:
+    return Path(sft_config.checkpoint.dir) / name, Path(sft_config.logging.log_dir) / name
+
+
+def rerun_hint() -> str:
+    """The command that goes on after a stopped warm-up: the user's own train.py command again."""
+    if Path(sys.argv[0]).name == "train.py":
+        return f"uv run {shlex.join(['train.py', *sys.argv[1:]])} (the same command: it finishes the warm-up, then trains)"
+    return "the same train.py command again (it finishes the warm-up, then trains)"
 
 
 def _check_shortest_prompt(config: BootstrapConfig, task: TaskConfig, tokenizer_dir: Path,

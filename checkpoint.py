@@ -10,6 +10,11 @@ What keeps a run's files whole:
 - A checkpoint is written under a hidden name unique to the process, fsynced, and renamed into place.
   Overwriting a step first moves the old copy aside and deletes it only once the new one is in place;
   if a crash falls in between, the next claim of the run puts the old copy back.
+- A run continues only from its own state: the config.yaml in each checkpoint records what made it (trainer,
+  base model, data, task, seed: `run_identity`), and a start that differs is refused (`check_own_state`).
+  A run that ended normally leaves a `finished` file, so nothing continues it unasked (bootstrap.py).
+- A new run never deletes an earlier run's TensorBoard logs unless told to (--overwrite): logs of a run that
+  stopped before its first checkpoint are moved aside, into a folder TensorBoard shows beside the new run.
 """
 
 import contextlib
@@ -17,8 +22,10 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import shutil
 import socket
+from datetime import datetime
 from pathlib import Path
 
 import config as config_lib
@@ -30,6 +37,7 @@ LOCK_FILE = ".lock"
 STEP_GLOB = "step_[0-9]*"
 EVENTS_GLOB = "events.out.tfevents.*"
 RUN_CONFIG = "config.yaml"  # in the run directory and in every checkpoint
+FINISHED = "finished"  # in the run directory of a run that ended normally (not stopped, not killed)
 LOW_DISK_BYTES = 16 * 2**20  # a failed write with less than this left on its filesystem ran out of space
 
 logger = logging.getLogger("checkpoint")
@@ -111,7 +119,7 @@ class RunClaim:
 def claim_run(run_dir: Path, log_dir: Path, resuming: bool, overwrite: bool) -> RunClaim:
     """Own a run's checkpoint and log directories, repair an interrupted checkpoint write, and refuse
     to mix a new run into an earlier run's files unless `overwrite` (then they are deleted). An earlier
-    run that stopped before its first checkpoint holds nothing to lose: its logs are replaced."""
+    run that stopped before its first checkpoint holds nothing to resume: its logs are moved aside."""
     run_dir, log_dir = Path(run_dir), Path(log_dir)
     claim = RunClaim([run_dir, log_dir], f"wait for it to end, pick another name (--set run_name=NAME), "
                                          f"or later continue it with --resume {run_dir}")
@@ -122,13 +130,32 @@ def claim_run(run_dir: Path, log_dir: Path, resuming: bool, overwrite: bool) -> 
             raise RunDirectoryError(
                 f"{steps[0]} is from an earlier run named {run_dir.name!r}; continue it with --resume {run_dir}, "
                 f"pick another name (--set run_name=NAME), or delete its checkpoints and logs with --overwrite")
-        if events and not steps and not resuming:
+        if events and not steps and not overwrite:
+            earlier = log_dir / f"earlier-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
             logger.warning("run %r stopped before its first checkpoint, so it holds nothing to resume: starting it "
-                           "over (its logs in %s are replaced)", run_dir.name, log_dir)
-        if not resuming:
+                           "over (its logs are kept in %s)", run_dir.name, earlier)
+            earlier.mkdir(exist_ok=True)
+            for path in events:
+                os.replace(path, earlier / path.name)
+        elif overwrite:
             for path in steps + events:
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
     return claim
+
+
+def mark_finished(run_dir: Path) -> None:
+    """Record that the run ended normally, where it leaves checkpoints (a run that left none leaves no directory)."""
+    if any(Path(run_dir).glob(STEP_GLOB)):
+        (Path(run_dir) / FINISHED).touch()
+
+
+def is_finished(run_dir: Path) -> bool:
+    return (Path(run_dir) / FINISHED).is_file()
+
+
+def holds_a_run(run_dir: Path, log_dir: Path) -> bool:
+    """Whether an earlier run left checkpoints in `run_dir` or curves in `log_dir`."""
+    return any(Path(run_dir).glob(STEP_GLOB)) or any(Path(log_dir).glob(EVENTS_GLOB))
 
 
 @contextlib.contextmanager
@@ -241,6 +268,90 @@ def load_trainer_state(checkpoint_dir) -> dict:
     except Exception as error:  # truncated or corrupt: say which file, and what to do
         raise CheckpointError(f"{path} cannot be read ({type(error).__name__}: {error}); the checkpoint is damaged: "
                               f"resume from another step (--resume {path.parent.parent}/step_...)") from None
+
+
+# ----------------------------------------------------------------------------- whose state a checkpoint is
+
+# The keys that make a run what it is: a checkpoint continues only a start that agrees on all of them.
+IDENTITY_KEYS = {"grpo": ("model.dir", "task.name", "task.data_dir", "seed"),
+                 "sft": ("model.dir", "task.name", "task.data_dir", "data.train_jsonl", "data.response", "seed")}
+TRAINER_SCRIPTS = {"grpo": "train.py", "sft": "train_sft.py"}
+HUB_SNAPSHOT = re.compile(r"(?:models|datasets)--([^/]+)--([^/]+)/snapshots/[^/]+/?$")
+
+
+def trainer_of(values: dict) -> str:
+    """Which trainer wrote a run config (as read from its YAML): SFT's alone has an output_dir."""
+    return "sft" if "output_dir" in values else "grpo"
+
+
+def run_identity(values: dict) -> dict:
+    """What a run is made of, from its config's values (`config_lib.to_dict`, or a config.yaml as read)."""
+    identity = {"trainer": trainer_of(values)}
+    for key in IDENTITY_KEYS[identity["trainer"]]:
+        section, _, name = key.partition(".")
+        value = values.get(section, {}).get(name) if name else values.get(section)
+        identity[key] = same_place(value) if key.endswith(("dir", "jsonl")) else value
+    return identity
+
+
+def same_place(path: str | None) -> str | None:
+    """One spelling per place: a Hub snapshot in the cache is its Hub id (the id a user typed became it), an
+    existing path is its real absolute path, anything else stays as written."""
+    if path is None:
+        return None
+    snapshot = HUB_SNAPSHOT.search(str(path))
+    if snapshot:
+        return "/".join(snapshot.groups())
+    return os.path.realpath(path) if os.path.exists(path) else str(path)
+
+
+def check_trainer(stored_config: Path, trainer: str, given: str) -> None:
+    """--resume `given` names a run of `trainer`; read before its config is (the other trainer's keys would
+    be refused as unknown, without saying why)."""
+    if not stored_config.is_file():
+        return
+    made_by = trainer_of(config_lib.read_yaml(stored_config) or {})
+    if made_by == trainer:
+        return
+    if made_by == "sft":
+        other = f"train GRPO from the model it wrote with --set model.dir=<its output_dir>, or from a checkpoint of it"
+    else:
+        other = "fine-tune one of its checkpoints with --set model.dir=<checkpoint.dir>/<run_name>/step_NNNNNN"
+    raise CheckpointError(f"--resume {given} is a run of {TRAINER_SCRIPTS[made_by]}, not of "
+                          f"{TRAINER_SCRIPTS[trainer]}: continue it with `uv run {TRAINER_SCRIPTS[made_by]} --resume "
+                          f"{given}`, or {other}")
+
+
+def check_own_state(checkpoint_dir: Path, config, given: str) -> None:
+    """Refuse to continue the checkpoint (from --resume `given`) with a config that makes another run."""
+    check_trainer(checkpoint_dir / RUN_CONFIG, run_identity(config_lib.to_dict(config))["trainer"], given)
+    stored = checkpoint_dir / RUN_CONFIG
+    if not stored.is_file():
+        return
+    made, planned = run_identity(config_lib.read_yaml(stored)), run_identity(config_lib.to_dict(config))
+    changed = [f"{key} {planned[key]!r} (the run's: {made[key]!r})" for key in made if made[key] != planned[key]]
+    if changed:
+        raise RunDirectoryError(
+            f"--resume {given}: {checkpoint_dir} was made by another run than this start asks for: {'; '.join(changed)}. "
+            "A run continues only from its own state: drop the change to continue it, start a new run under another "
+            "name (--set run_name=NAME), or start this one over with --overwrite instead of --resume")
+
+
+def run_directory_advice(path: Path, flag: str) -> str | None:
+    """What to pass instead when `flag` (--model, model.dir=) names a run directory rather than a model in it."""
+    path = Path(path)
+    if not path.is_dir() or path.name.startswith("step_") or (path / "config.json").is_file() or not any(
+            (path / name).exists() for name in (RUN_CONFIG, LOCK_FILE)) and not any(path.glob(STEP_GLOB)):
+        return None
+    steps = sorted(path.glob(STEP_GLOB))
+    stored = config_lib.read_yaml(path / RUN_CONFIG) if (path / RUN_CONFIG).is_file() else {}
+    output = stored.get("output_dir") if trainer_of(stored) == "sft" else None
+    written = f", or the model the warm-up wrote, {flag}{output}" if output and Path(output).is_dir() else ""
+    if not steps:
+        return (f"{flag}{path} is the directory of the run {path.name!r}, not a model, and it holds no checkpoint "
+                f"yet{written or ' (pass a Hugging Face model directory)'}")
+    return (f"{flag}{path} is the directory of the run {path.name!r}, not a model: pass one of its checkpoints, "
+            f"e.g. its newest, {flag}{steps[-1]}{written}")
 
 
 def run_directory_of(path) -> Path:

@@ -255,7 +255,13 @@ def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimize
 def load_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
     """The inverse of optimizer_state_dict: under FSDP each rank keeps its shard of the whole state."""
     if not is_sharded(model):
-        optimizer.load_state_dict(state)
+        optimizer.load_state_dict(state)  # checks the number of weights, not their shapes:
+        for group in optimizer.param_groups:
+            for parameter in group["params"]:
+                for name, value in optimizer.state.get(parameter, {}).items():
+                    if torch.is_tensor(value) and value.dim() and value.shape != parameter.shape:
+                        raise ValueError(f"{name} of shape {tuple(value.shape)} for a weight of shape "
+                                         f"{tuple(parameter.shape)}")
         return
     if not state["state"]:  # saved before the first step: a fresh optimizer is that state
         return

@@ -91,6 +91,9 @@ def from_training_config(values: dict) -> dict:
 def load_config(args: argparse.Namespace) -> EvaluateConfig:
     """Defaults, then the checkpoint's own training config (if any), then --config files, --set and flags."""
     model_dir = Path(args.model)
+    advice = checkpoint.run_directory_advice(model_dir, "--model ")  # its config.yaml is a run's, not a model's
+    if advice:
+        raise MissingInputError(advice)
     values = from_training_config(config_lib.read_yaml(model_dir / "config.yaml")) if (
         model_dir / "config.yaml").is_file() else {}
     for path in args.config or []:

@@ -6,7 +6,7 @@ check_command_line in config.py): a wrong path, a model directory without its co
 data directory or a read-only log directory is answered in about a second, with one line, and before
 any file is created. Loading (qwen2_model, tokenizer, the task modules) calls the same functions, so a
 file is judged the same way before and after torch loads. Nothing here imports more than the standard
-library and hub.py (which fetches a Hub id; pyarrow only inside read_parquet, which reads the rows).
+library, checkpoint.py (what a run directory holds) and hub.py (which fetches a Hub id; pyarrow only inside read_parquet, which reads the rows).
 """
 
 import contextlib
@@ -14,6 +14,7 @@ import json
 import os
 from pathlib import Path
 
+import checkpoint
 import hub
 from config import BootstrapConfig, ConfigError, DataError, InputError, MissingInputError, ModelSetup, TaskConfig
 
@@ -37,6 +38,9 @@ def read_hf_config(model_dir: Path) -> dict:
     if not model_dir.is_dir():
         raise MissingInputError(f"model directory '{model_dir}' does not exist. {model_download_hint(model_dir)}")
     config_path = model_dir / "config.json"
+    advice = checkpoint.run_directory_advice(model_dir, "")
+    if advice:
+        raise MissingInputError(advice)
     if not config_path.is_file():
         raise MissingInputError(f"'{model_dir}' has no config.json, so it is not a Hugging Face model directory. "
                                 f"{model_download_hint(model_dir)}")

@@ -30,27 +30,28 @@ class AboveBars(logging.StreamHandler):
             self.handleError(record)
 
 
-def progress_bar(iterable: Iterable | None = None, *, desc: str, total: int | None = None, unit: str = "it",
-                 enabled: bool = True, leave: bool = True):
-    """The progress of a long stage, with tqdm's interface (iterate, update, set_postfix, close).
+def progress_bar(iterable: Iterable | None = None, *, desc: str, total: int | None = None, initial: int = 0,
+                 unit: str = "it", enabled: bool = True, leave: bool = True):
+    """The progress of a long stage, with tqdm's interface (iterate, update, set_postfix, close); `initial`:
+    the units done before (a resumed run's steps), counted in the total but not in the rate.
 
     On a terminal, a tqdm bar. Elsewhere (a log file, a pipe) redraws would fill the file, so a plain log
     line every PROGRESS_LINE_SECONDS with done/total, rate and ETA; a stage that ends sooner prints nothing.
     Nothing at all when not `enabled` (the config's `progress: false`, or a rank other than 0).
     """
     if enabled and sys.stderr.isatty():
-        return tqdm(iterable, desc=desc, total=total, unit=unit, leave=leave)
-    return ProgressLines(iterable, desc=desc, total=total, unit=unit, enabled=enabled, leave=leave)
+        return tqdm(iterable, desc=desc, total=total, initial=initial, unit=unit, leave=leave)
+    return ProgressLines(iterable, desc=desc, total=total, initial=initial, unit=unit, enabled=enabled, leave=leave)
 
 
 class ProgressLines:
     """progress_bar off a terminal: one log line per PROGRESS_LINE_SECONDS, at the update that crosses it."""
 
-    def __init__(self, iterable: Iterable | None, *, desc: str, total: int | None, unit: str, enabled: bool,
-                 leave: bool):
+    def __init__(self, iterable: Iterable | None, *, desc: str, total: int | None, initial: int, unit: str,
+                 enabled: bool, leave: bool):
         self.iterable, self.desc, self.unit, self.enabled, self.leave = iterable, desc, unit, enabled, leave
         self.total = total if total is not None or not hasattr(iterable, "__len__") else len(iterable)
-        self.n, self.postfix, self.printed = 0, "", False
+        self.n, self.initial, self.postfix, self.printed = initial, initial, "", False
         self.start = self.last_line = time.monotonic()
 
     def __iter__(self):
@@ -76,7 +77,7 @@ class ProgressLines:
         self.printed = False
 
     def line(self, elapsed: float, done: bool = False) -> str:
-        rate = self.n / max(elapsed, 1e-9)
+        rate = (self.n - self.initial) / max(elapsed, 1e-9)
         speed = f"{rate:.2f} {self.unit}/s" if rate >= 1 else f"{1 / rate:.1f} s/{self.unit}" if rate else "-"
         if self.total is None:
             return f"{self.desc}: {self.n} {self.unit} | {speed} | elapsed {tqdm.format_interval(elapsed)}{self.postfix}"

@@ -159,6 +159,7 @@ def save_checkpoint(config: TrainConfig | SFTConfig, step: int, model, optimizer
             raise checkpoint.CheckpointError(f"{error}; once it can be written, continue the run with "
                                              f"--resume {run_directory}") from None
         logger.info("saved checkpoint %s", path)
+        (run_directory / checkpoint.FINISHED).unlink(missing_ok=True)  # a finished run continued: not finished yet
         checkpoint.prune(run_directory, config.checkpoint.keep_last)
     distributed.barrier()  # no rank goes on (and may read it) before the checkpoint is complete
 
@@ -169,9 +170,19 @@ def restore_trainer_state(checkpoint_dir: Path, model, optimizer, generator: tor
     if len(state["rng_per_rank"]) != distributed.world_size():
         raise ValueError(f"{checkpoint_dir} was written by {len(state['rng_per_rank'])} ranks; resume it with "
                          f"as many (torchrun --nproc_per_node ...), not {distributed.world_size()}.")
-    distributed.load_optimizer_state_dict(model, optimizer, state["optimizer"])
+    try:
+        distributed.load_optimizer_state_dict(model, optimizer, state["optimizer"])
+    except (ValueError, KeyError, RuntimeError) as error:  # torch's words name no file and no cause
+        raise checkpoint.CheckpointError(
+            f"{checkpoint_dir}: its optimizer state does not fit its weights ({error}); the weights were replaced "
+            f"after it was saved, or the model's settings differ: resume from another step "
+            f"(--resume {checkpoint_dir.parent}/step_...), or start over with --overwrite") from None
+    saved_generator = state["rng_per_rank"][distributed.rank()]["generator"]
+    if generator is not None and saved_generator is None:  # train.py never writes one without it
+        raise checkpoint.CheckpointError(f"{checkpoint_dir} holds no sampling state: it was not written by train.py; "
+                                         f"continue it with the trainer that wrote it")
     if generator is not None:
-        generator.set_state(state["rng_per_rank"][distributed.rank()]["generator"])
+        generator.set_state(saved_generator)
     set_rng_state(state["rng_per_rank"][distributed.rank()]["rng"])
     logger.info("resumed from %s at step %d", checkpoint_dir, state["step"])
     return state
@@ -185,9 +196,13 @@ class RunStopped(Exception):
 
     def __init__(self, script: str, stop_signal: signal.Signals, step: int, run_directory: Path):
         launcher = f"torchrun --nproc_per_node {distributed.world_size()} " if distributed.world_size() > 1 else ""
-        super().__init__(f"stopped by {stop_signal.name} after step {step}, saved in {run_directory / f'step_{step:06d}'}; "
-                         f"continue with: uv run {launcher}{script} --resume {run_directory}")
+        self.stopped = f"stopped by {stop_signal.name} after step {step}, saved in {run_directory / f'step_{step:06d}'}"
+        self.continue_with(f"uv run {launcher}{script} --resume {run_directory}")
         self.exit_code = 128 + stop_signal  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+
+    def continue_with(self, command: str) -> None:
+        """Name `command` as the way to go on (a stage inside a larger command: that command)."""
+        self.args = (f"{self.stopped}; continue with: {command}",)
 
 
 class StopRequest:

@@ -41,8 +41,12 @@ def read_command_line(argv: list[str] | None = None) -> tuple[argparse.Namespace
     checkpoint_dir = checkpoint.find(args.resume) if args.resume else None
     # A run that stopped before its first checkpoint has only its run directory's config.yaml: it starts over.
     stored_config = args.resume and (checkpoint_dir or Path(args.resume)) / checkpoint.RUN_CONFIG
+    if stored_config:
+        checkpoint.check_trainer(stored_config, "grpo", args.resume)
     config = config_lib.load(TrainConfig, args.config or [stored_config or "config.yaml"], args.set)
     checkpoint.continue_in_resumed_run(config, args.resume)
+    if checkpoint_dir:
+        checkpoint.check_own_state(checkpoint_dir, config, args.resume)
     check_inputs(config, checkpoint_dir)
     return args, config
 
@@ -176,9 +180,10 @@ def train(config: TrainConfig, resume: str | None = None, overwrite: bool = Fals
     zero_reward_steps = 0  # consecutive steps in which no episode earned any reward
     stopping = False
     with StopRequest() as stop:  # Ctrl-C or SIGTERM: the current step ends, is saved, and the run stops
-        steps = progress_bar(range(start_step + 1, config.optim.num_steps + 1), desc="grpo", unit="step",
+        # Counted by hand, once a step is done: a stop saves that step, and the last line names it.
+        steps = progress_bar(desc="grpo", total=config.optim.num_steps, initial=start_step, unit="step",
                              enabled=progress)
-        for step in steps:
+        for step in range(start_step + 1, config.optim.num_steps + 1):
             episodes, kept, sampling = sample_step(model, functools.partial(sample_round, step), config.rollout)
             train_episodes = episodes_to_train(kept, config)
             advantages = compute_advantages(train_episodes, config.loss)
@@ -189,6 +194,7 @@ def train(config: TrainConfig, resume: str | None = None, overwrite: bool = Fals
             metrics, all_episodes = step_metrics(episodes, update=update, sampling=sampling,
                                                  learning_rate=optimizer.param_groups[0]["lr"], config=config)
             log_step(run_logger, step, metrics, episodes=all_episodes, config=config)
+            steps.update()
             zero_reward_steps = 0 if any(e.reward > 0 for e in all_episodes) else zero_reward_steps + 1
             if zero_reward_steps and zero_reward_steps == config.optim.warn_after_zero_reward_steps:
                 warn_no_reward(config, zero_reward_steps)
@@ -204,6 +210,8 @@ def train(config: TrainConfig, resume: str | None = None, overwrite: bool = Fals
         steps.close()
     if run_logger:
         run_logger.close()
+        if not stopping:
+            checkpoint.mark_finished(Path(config.checkpoint.dir) / config.run_name)
         run_claim.release()
     if stopping:
         raise RunStopped("train.py", stop.signal, step, Path(config.checkpoint.dir) / config.run_name)
@@ -218,6 +226,8 @@ def start_run(config: TrainConfig, resume: str | None, overwrite: bool) -> tuple
     checkpoint to resume from (None: a new run, or one that stopped before its first checkpoint) and the
     claim to release at the end."""
     checkpoint_dir = checkpoint.find(resume) if resume else None
+    if checkpoint_dir:
+        checkpoint.check_own_state(checkpoint_dir, config, resume)
     name_run(config, resume)
     base_model = None if checkpoint_dir else config.model  # resuming, the checkpoint is the model
     # Before the run directory exists; Hub ids fetched.

@@ -49,8 +49,12 @@ def read_command_line(argv: list[str] | None = None) -> tuple[argparse.Namespace
         raise config_lib.ConfigError("--overwrite starts a run over, --resume continues one: pass only one")
     checkpoint_dir = checkpoint.find(args.resume) if args.resume else None
     stored_config = args.resume and (checkpoint_dir or Path(args.resume)) / checkpoint.RUN_CONFIG
+    if stored_config:
+        checkpoint.check_trainer(stored_config, "sft", args.resume)
     config = config_lib.load(SFTConfig, args.config or [stored_config], args.set)
     checkpoint.continue_in_resumed_run(config, args.resume)
+    if checkpoint_dir:
+        checkpoint.check_own_state(checkpoint_dir, config, args.resume)
     check_inputs(config, resuming=checkpoint_dir is not None)
     return args, config
 
@@ -232,13 +236,15 @@ def train_sft(config: SFTConfig, resume: str | None = None, overwrite: bool = Fa
     <checkpoint.dir>/<run_name>/step_NNNNNN; `resume` (one, or its run directory) continues from it exactly.
     """
     device = set_up_process(config.device, config.cpu_threads, config.seed)
+    checkpoint_dir = checkpoint.find(resume) if resume else None
+    if checkpoint_dir:
+        checkpoint.check_own_state(checkpoint_dir, config, resume)
     name_run(config, resume, prefix="sft-")
     run_directory = Path(config.checkpoint.dir) / config.run_name
     check_output_outside(config.output_dir, run_directory)
-    run_claim = checkpoint.claim_run(run_directory, Path(config.logging.log_dir) / config.run_name, bool(resume),
-                                     overwrite) if distributed.is_main_process() else None
+    run_claim = checkpoint.claim_run(run_directory, Path(config.logging.log_dir) / config.run_name,
+                                     bool(checkpoint_dir), overwrite) if distributed.is_main_process() else None
     with checkpoint.released_on_error(run_claim):  # refused while loading: no lock or empty directory is left
-        checkpoint_dir = checkpoint.find(resume) if resume else None
         model_dir = checkpoint_dir or Path(config.model.dir)  # a checkpoint is a complete model directory
         tokenizer = Tokenizer(model_dir)  # the data before the model: a data error comes before minutes of loading
         train_examples, eval_examples = load_examples(config, tokenizer)
@@ -260,8 +266,10 @@ def train_sft(config: SFTConfig, resume: str | None = None, overwrite: bool = Fa
         metrics = evaluation(step=0)
     steps_run, stopping = start_step, False
     with StopRequest() as stop:  # Ctrl-C or SIGTERM: the current step ends, is saved, and the run stops
-        bar = progress_bar(range(start_step, optim.num_steps), desc="sft", unit="step", enabled=config.progress and is_main)
-        for step in bar:
+        # Counted by hand, once a step is done: a stop saves that step, and the last line names it.
+        bar = progress_bar(desc="sft", total=optim.num_steps, initial=start_step, unit="step",
+                           enabled=config.progress and is_main)
+        for step in range(start_step, optim.num_steps):
             if reached_target(metrics, optim):
                 logger.info("held-out success %.3f >= optim.stop_at_success %g after %d steps: stopping",
                             metrics["eval/success_rate"], optim.stop_at_success, step)
@@ -269,6 +277,7 @@ def train_sft(config: SFTConfig, resume: str | None = None, overwrite: bool = Fa
             step_metrics = sft_step(policy, optimizer_step, train_examples, step=step, config=config,
                                     pad_token_id=tokenizer.pad_token_id)
             steps_run = step + 1
+            bar.update()
             if run_logger:
                 run_logger.scalars(step_metrics, steps_run)
             bar.set_postfix(loss=f"{step_metrics['train/loss']:.3f}", grad=f"{step_metrics['train/grad_norm']:.3f}",
@@ -288,6 +297,7 @@ def train_sft(config: SFTConfig, resume: str | None = None, overwrite: bool = Fa
         if is_main:
             saved = checkpoint.save(config.output_dir, savable, model_dir, run_config=config)
             logger.info("saved the fine-tuned model to %s", saved)
+            checkpoint.mark_finished(run_directory)
     if run_logger:
         run_logger.close()
         run_claim.release()

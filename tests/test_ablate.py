@@ -108,7 +108,7 @@ def test_suite_runs_each_override_and_tabulates_the_logged_results(tmp_path, tin
     saved = config_lib.read_yaml(out / "checkpoints" / "no_std_norm" / "config.yaml")
     assert (saved["run_name"], saved["loss"]["std_normalization"]) == ("no_std_norm", False)
     assert saved["optim"]["learning_rate"] == 1e-3
-    assert sorted(p.name for p in (out / "checkpoints" / "no_std_norm").iterdir()) == ["config.yaml", "step_000002"]
+    assert sorted(p.name for p in (out / "checkpoints" / "no_std_norm").iterdir()) == ["config.yaml", "finished", "step_000002"]
 
     not_applicable = rows[1]
     assert not_applicable["note"].startswith("not applicable: task.prompt_template")

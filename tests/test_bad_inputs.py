@@ -17,6 +17,7 @@ import torch
 
 import checkpoint
 import config as config_lib
+import tiny_model
 import train
 import train_sft
 from test_config_errors import RUN_SCRIPT, run_without_heavy_packages
@@ -70,6 +71,32 @@ def evaluate_args(paths, *extra: str) -> list[str]:
     return ["evaluate.py", "--model", str(paths.model), "--data", str(paths.data), "--set", "task.test_size=4", *extra]
 
 
+def fake_run(run_dir: Path, config, steps: tuple[int, ...] = (1,)) -> Path:
+    """A run directory as a trainer leaves it: config.yaml, and checkpoints with their config and a trainer state
+    (not read before torch loads, so any bytes do)."""
+    for directory in [run_dir] + [run_dir / f"step_{step:06d}" for step in steps]:
+        directory.mkdir(parents=True)
+        config_lib.dump(config, directory / "config.yaml")
+    for step in steps:
+        (run_dir / f"step_{step:06d}" / "trainer_state.pt").write_bytes(b"")
+    return run_dir
+
+
+def grpo_run(paths, *overrides: str) -> Path:
+    """A GRPO run `r` of train_args(paths)'s config, with checkpoints at steps 1 and 2."""
+    sets = [f"model.dir={paths.model}", f"task.data_dir={paths.data}", f"logging.log_dir={paths.tmp / 'logs'}",
+            f"checkpoint.dir={paths.tmp / 'checkpoints'}", "device=cpu", "run_name=r", *overrides]
+    return fake_run(paths.tmp / "checkpoints" / "r", config_lib.load(train.TrainConfig, "config.yaml", sets), (1, 2))
+
+
+def sft_run(paths) -> Path:
+    """An SFT run `s` of sft_args(paths)'s config that has written its model."""
+    (paths.tmp / "sft-out").mkdir()
+    sets = [s for s in sft_args(paths)[3:] if s != "--set"] + ["run_name=s"]
+    return fake_run(paths.tmp / "checkpoints" / "s", config_lib.load(train_sft.SFTConfig, "configs/cpu_demo_sft.yaml",
+                                                                     sets))
+
+
 # (case, what breaks the input, the command, the start of the one line it must print). Each is answered before
 # torch loads, so each runs in a subprocess that cannot import torch (fast: no torch to load).
 BEFORE_TORCH = [
@@ -119,6 +146,36 @@ BEFORE_TORCH = [
      "checkpoint error: --resume {tmp}/checkpoints/typo: no such directory"),
     ("--resume of a directory that is no run", None, lambda p: [*train_args(p), "--resume", str(p.data)],
      "checkpoint error: --resume {data}: not a run directory"),
+    ("--resume of an SFT run to train.py", sft_run, lambda p: ["train.py", "--resume", str(p.tmp / "checkpoints" / "s")],
+     "checkpoint error: --resume {tmp}/checkpoints/s is a run of train_sft.py, not of train.py: continue it with "
+     "`uv run train_sft.py --resume {tmp}/checkpoints/s`, or train GRPO from the model it wrote"),
+    ("--resume of a GRPO run to train_sft.py", grpo_run,
+     lambda p: ["train_sft.py", "--resume", str(p.tmp / "checkpoints" / "r")],
+     "checkpoint error: --resume {tmp}/checkpoints/r is a run of train.py, not of train_sft.py: continue it with "
+     "`uv run train.py --resume {tmp}/checkpoints/r`, or fine-tune one of its checkpoints"),
+    ("--resume with another seed", grpo_run,
+     lambda p: [*train_args(p, "seed=7"), "--resume", str(p.tmp / "checkpoints" / "r")],
+     "run directory error: --resume {tmp}/checkpoints/r: {tmp}/checkpoints/r/step_000002 was made by another run than "
+     "this start asks for: seed 7 (the run's: 1337). A run continues only from its own state: drop the change to "
+     "continue it, start a new run under another name (--set run_name=NAME), or start this one over with --overwrite"),
+    ("--resume with another model", lambda p: (grpo_run(p), shutil.copytree(p.model, p.tmp / "other")),
+     lambda p: [*train_args(p, f"model.dir={p.tmp / 'other'}"), "--resume", str(p.tmp / "checkpoints" / "r")],
+     "run directory error: --resume {tmp}/checkpoints/r: {tmp}/checkpoints/r/step_000002 was made by another run than "
+     "this start asks for: model.dir '{tmp}/other' (the run's: '{model}')"),
+    ("model.dir a run directory", grpo_run, lambda p: train_args(p, f"model.dir={p.tmp / 'checkpoints' / 'r'}"),
+     "missing input: model.dir: {tmp}/checkpoints/r is the directory of the run 'r', not a model: pass one of its "
+     "checkpoints, e.g. its newest, {tmp}/checkpoints/r/step_000002\n"),
+    ("evaluate a run directory", grpo_run, lambda p: ["evaluate.py", "--model", str(p.tmp / "checkpoints" / "r")],
+     "missing input: --model {tmp}/checkpoints/r is the directory of the run 'r', not a model: pass one of its "
+     "checkpoints, e.g. its newest, --model {tmp}/checkpoints/r/step_000002\n"),
+    ("evaluate an SFT run directory", sft_run, lambda p: ["evaluate.py", "--model", str(p.tmp / "checkpoints" / "s")],
+     "missing input: --model {tmp}/checkpoints/s is the directory of the run 's', not a model: pass one of its "
+     "checkpoints, e.g. its newest, --model {tmp}/checkpoints/s/step_000001, or the model the warm-up wrote, "
+     "--model {tmp}/sft-out\n"),
+    ("evaluate a run directory without checkpoints", lambda p: fake_run(p.tmp / "r", config_lib.load(
+        train.TrainConfig, "config.yaml"), ()), lambda p: ["evaluate.py", "--model", str(p.tmp / "r")],
+     "missing input: --model {tmp}/r is the directory of the run 'r', not a model, and it holds no checkpoint yet "
+     "(pass a Hugging Face model directory)\n"),
     ("SFT data missing: the hint generates solutions", lambda p: shutil.rmtree(p.data), sft_args,
      "missing input: task.data_dir: No CountDown data in {data}: expected parquet files at {data}/data/*.parquet. "
      "SFT learns from reference solutions: generate data with them, `uv run countdown_task.py generate --out {data} "
@@ -179,6 +236,16 @@ def gsm8k_with_a_bad_line(directory: Path) -> Path:
     return directory
 
 
+def run_with_other_weights(paths) -> None:
+    """A finished run `tiny` whose last checkpoint's weights were replaced by a model of another shape."""
+    train.train(tiny_config(paths.tmp, paths.model, paths.data, "optim.num_steps=1", "eval.interval=0",
+                            "checkpoint.interval=0"))
+    other = tiny_model.build_tiny_model(paths.tmp / "other", seed=1, num_hidden_layers=1)
+    for name in ("model.safetensors", "config.json"):
+        shutil.copy(other / name, paths.tmp / "checkpoints" / "tiny" / "step_000001" / name)
+    shutil.rmtree(other)
+
+
 # (case, what breaks the input, the entry point's main and its arguments, the line it must print). These need
 # torch (the device, the tokenizer, the rows); each runs in-process, as `main` does it.
 AFTER_TORCH = [
@@ -196,6 +263,9 @@ AFTER_TORCH = [
     ("tokenizer.json damaged", lambda p: write(p.model / "tokenizer.json", "{"),
      lambda p: (train.main, train_args(p, "task.test_size=4")[1:]),
      "data error: {model}/tokenizer.json cannot be read ("),
+    ("checkpoint's weights replaced", run_with_other_weights,
+     lambda p: (train.main, ["--resume", str(p.tmp / "checkpoints" / "tiny")]),
+     "checkpoint error: {tmp}/checkpoints/tiny/step_000001: its optimizer state does not fit its weights ("),
     ("SFT max_seq_len no pair fits",
      lambda p: write(p.tmp / "pairs.jsonl", '{"prompt": "1 + 1 =", "response": " 2"}\n' * 4),
      lambda p: (train_sft.main, sft_args(p, "data.max_seq_len=2", f"data.train_jsonl={p.tmp / 'pairs.jsonl'}",
@@ -293,9 +363,11 @@ def test_a_run_killed_before_its_first_checkpoint_starts_over(resume, good, capl
     assert not list(run_dir.glob("step_*")) and list(log_dir.glob("events.out.tfevents.*"))
 
     train.main(["--resume", str(run_dir)] if resume else ["--config", str(config_path)])  # no --overwrite needed
-    assert "stopped before its first checkpoint, so it holds nothing to resume: starting it over" in caplog.text
+    assert "stopped before its first checkpoint, so it holds nothing to resume: starting it over (its logs are " \
+           f"kept in {log_dir}/earlier-" in caplog.text
     assert sorted(path.name for path in run_dir.glob("step_*")) == ["step_000002"]
-    assert len(list(log_dir.glob("events.out.tfevents.*"))) == 1  # the old curves replaced, not doubled
+    assert len(list(log_dir.glob("events.out.tfevents.*"))) == 1  # the new curves alone, not mixed with the old
+    assert len(list(log_dir.glob("earlier-*/events.out.tfevents.*"))) == 1  # the old ones kept beside them
 
 
 # ----------------------------------------------------------------------------- documented commands

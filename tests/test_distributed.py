@@ -218,7 +218,7 @@ def test_two_rank_training_run_logs_once_and_writes_one_loadable_checkpoint(rank
     assert events.Scalars("eval/num_questions")[-1].value == 5  # both ranks' shares (3 and 2), gathered
 
     run_dir = ranks_output / run / "checkpoints" / "tiny"
-    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "step_000002"]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "finished", "step_000002"]
     checkpoint_dir = run_dir / "step_000002"
     ours = Transformer.from_pretrained(checkpoint_dir, dtype=torch.float32).eval()
     theirs = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32).eval()

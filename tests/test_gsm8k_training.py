@@ -102,7 +102,7 @@ def test_grpo_run_grades_gsm8k_logs_evaluations_and_saves_a_checkpoint(tmp_path,
     assert metrics["num_questions"] == 3
 
     run_dir = tmp_path / "checkpoints" / "gsm8k"
-    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "step_000002"]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "finished", "step_000002"]
     saved_config = config_lib.load(train.TrainConfig, run_dir / "step_000002" / "config.yaml")
     assert (saved_config.task.name, saved_config.task.prompt_template) == ("gsm8k", "reasoning")
     tokens = torch.randint(0, 400, (2, 9), generator=torch.Generator().manual_seed(0))

@@ -51,6 +51,18 @@ def test_a_log_file_gets_one_line_per_interval_with_rate_and_eta(clock, caplog):
     ]
 
 
+def test_a_resumed_stage_counts_from_its_first_step_and_rates_only_its_own(clock, caplog):
+    caplog.set_level(logging.INFO)
+    bar = run_logging.progress_bar(desc="grpo", total=10, initial=4, unit="step")  # steps 1-4 ran before the resume
+    for _ in range(3):
+        clock.now += 10.0
+        bar.update()
+    bar.close()
+    # 3 steps in 30 s, not 7: 10 s a step, 3 left.
+    assert progress_lines(caplog) == ["grpo: 7/10 (70%) | 10.0 s/step | elapsed 00:30 | ETA 00:30",
+                                      "grpo: 7/10 (70%) | 10.0 s/step | took 00:30"]
+
+
 def test_short_inner_and_disabled_stages_print_nothing(clock, caplog):
     caplog.set_level(logging.INFO)
     for _ in run_logging.progress_bar(range(100), desc="fast", unit="task"):

@@ -22,6 +22,7 @@ import countdown_task
 import evaluate
 import runtime
 import train
+import train_sft
 from test_train import countdown_dir, tiny_config  # noqa: F401 (fixture)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -171,7 +172,7 @@ def test_resume_writes_into_the_resumed_runs_directory_and_keeps_last(tmp_path, 
     resumed = tiny_config(tmp_path, tiny_model_dir, countdown_dir, "optim.num_steps=4", "checkpoint.interval=1",
                           "eval.interval=0", "checkpoint.keep_last=2", "checkpoint.optimizer_state=false")
     train.train(resumed, resume=str(moved))
-    assert sorted(p.name for p in moved.iterdir()) == ["config.yaml", "step_000003", "step_000004"]
+    assert sorted(p.name for p in moved.iterdir()) == ["config.yaml", "finished", "step_000003", "step_000004"]
     assert not (moved / "step_000003" / checkpoint.TRAINER_STATE).exists()  # weights only between
     assert (moved / "step_000004" / checkpoint.TRAINER_STATE).is_file()
     assert not (tmp_path / "checkpoints" / "tiny").exists()
@@ -358,3 +359,95 @@ def test_an_inherited_ignored_sigint_is_said_once_with_what_still_stops_the_run(
     warnings = [record.getMessage() for record in caplog.records if "SIGINT" in record.getMessage()]
     assert warnings == [f"Ctrl-C (SIGINT) is ignored by this process (started in the background by a script?); "
                         f"SIGTERM (kill {os.getpid()}) still stops the run cleanly after its current step"]
+
+
+# ----------------------------------------------------------------------------- the SFT warm-up's runs
+
+
+def warm_up_config(tmp_path, *overrides: str):
+    return config_lib.load(train_sft.SFTConfig, "configs/cpu_demo_sft.yaml", [
+        f"output_dir={tmp_path / 'out' / 'sft-model'}", f"checkpoint.dir={tmp_path / 'checkpoints'}",
+        f"logging.log_dir={tmp_path / 'logs'}", *overrides])
+
+
+def stopped_warm_up(tmp_path, name: str, *overrides: str) -> Path:
+    """A warm-up stopped at step 3, as train_sft.py leaves it: a resumable checkpoint with its config."""
+    step = tmp_path / "checkpoints" / name / "step_000003"
+    step.mkdir(parents=True)
+    config_lib.dump(warm_up_config(tmp_path, *overrides), step / checkpoint.RUN_CONFIG)
+    (step / checkpoint.TRAINER_STATE).write_bytes(b"")
+    return step
+
+
+def test_a_warm_up_continues_only_its_own_stopped_run_and_never_reuses_another(tmp_path):
+    base = "sft-" + str(tmp_path / "out" / "sft-model").strip("/").replace("/", "-")
+    config = warm_up_config(tmp_path)
+    assert bootstrap.warm_up_run(config) == (base, None)  # named after its output, whatever the YAML's name
+    stopped = stopped_warm_up(tmp_path, base)
+    assert bootstrap.warm_up_run(config) == (base, stopped)  # the same warm-up, stopped: it goes on
+    assert bootstrap.warm_up_run(warm_up_config(tmp_path, "seed=1")) == (f"{base}-2", None)  # another seed
+    assert bootstrap.warm_up_run(warm_up_config(tmp_path, f"model.dir={tmp_path}")) == (f"{base}-2", None)
+    (stopped.parent / checkpoint.FINISHED).touch()  # it ended later: nothing is left to continue
+    assert bootstrap.warm_up_run(config) == (f"{base}-2", None)
+    (tmp_path / "logs" / f"{base}-2").mkdir(parents=True)
+    (tmp_path / "logs" / f"{base}-2" / "events.out.tfevents.1").write_bytes(b"")  # curves of a killed one: kept
+    assert bootstrap.warm_up_run(config) == (f"{base}-3", None)
+    third = stopped_warm_up(tmp_path, f"{base}-3")
+    assert bootstrap.warm_up_run(config) == (f"{base}-3", third)
+    other = warm_up_config(tmp_path, f"output_dir={tmp_path / 'elsewhere'}")
+    assert bootstrap.warm_up_run(other)[0] == "sft-" + str(tmp_path / "elsewhere").strip("/").replace("/", "-")
+
+
+STOPPED_WARM_UP = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+sys.argv[0] = "train.py"  # as `uv run train.py ...` runs it
+import distributed, run_logging, train, train_sft
+run_logging.PROGRESS_LINE_SECONDS = 0.0  # a progress line at every step
+real_sft_step = train_sft.sft_step
+def sft_step(*args, step, **kwargs):
+    if step == 2:
+        os.kill(os.getpid(), signal.SIGTERM)  # during the warm-up's third step
+    return real_sft_step(*args, step=step, **kwargs)
+train_sft.sft_step = sft_step
+distributed.run_entry_point(train.main)
+"""
+
+
+@pytest.mark.slow
+def test_a_warm_up_stopped_inside_train_py_names_the_users_command_and_that_command_finishes_it(tmp_path, caplog):
+    demo = tmp_path / "demo.yaml"
+    demo.write_text(f"""
+model: {{dir: {tmp_path / 'sft-model'}}}
+task: {{data_dir: {tmp_path / 'countdown'}, test_size: 16}}
+rollout: {{episodes_per_step: 8, dynamic_sampling: false}}
+optim: {{num_steps: 1}}
+eval: {{interval: 0}}
+checkpoint: {{dir: {tmp_path / 'checkpoints'}, interval: 0}}
+logging: {{log_dir: {tmp_path / 'logs'}}}
+progress: true
+cpu_threads: 1
+bootstrap:
+  data_dir: {tmp_path / 'countdown'}
+  model_dir: {tmp_path / 'sft-model'}
+  dataset_args: --size 300 --min-numbers 2 --max-numbers 2 --max-number 20 --max-target 40 --with-solutions
+  sft_overrides: [model.dir={tmp_path / 'base-model'}, checkpoint.dir={tmp_path / 'checkpoints'},
+                  logging.log_dir={tmp_path / 'logs'}, optim.num_steps=6, optim.stop_at_success=null,
+                  eval.interval=0, data.eval_size=16, cpu_threads=1]
+""")
+    command = ["--config", "configs/cpu_demo.yaml", "--config", str(demo)]
+    stopped = subprocess.run([sys.executable, "-c", STOPPED_WARM_UP.format(root=str(REPO_ROOT)), *command],
+                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert stopped.returncode == 143 and "Traceback" not in stopped.stderr, stopped.stderr
+    [run] = (tmp_path / "checkpoints").glob("sft-*")
+    assert run.name.endswith("-sft-model")
+    lines = stopped.stderr.strip().splitlines()
+    assert lines[-1] == (f"stopped by SIGTERM after step 3, saved in {run}/step_000003; continue with: uv run "
+                         f"train.py {' '.join(command)} (the same command: it finishes the warm-up, then trains)")
+    assert [line.split()[2] for line in lines if " sft: " in line][-1] == "3/6"  # the saved step, not one behind
+
+    with caplog.at_level(logging.INFO):
+        train.main(command)  # the user's command again: the warm-up goes on from step 3, then GRPO
+    assert f"run {run.name}, continuing from {run}/step_000003" in caplog.text
+    assert (tmp_path / "sft-model" / "model.safetensors").is_file() and checkpoint.is_finished(run)
+    assert (tmp_path / "checkpoints" / "cpu-demo" / "step_000001").is_dir()

@@ -78,7 +78,7 @@ def test_short_run_logs_metrics_and_writes_loadable_checkpoints(tmp_path, tiny_m
     assert any(tag.startswith("episodes/") for tag in events.Tags()["tensors"])
 
     run_dir = tmp_path / "checkpoints" / "tiny"
-    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "step_000002", "step_000003"]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "finished", "step_000002", "step_000003"]
     checkpoint = run_dir / "step_000003"
     ours = Transformer.from_pretrained(checkpoint, dtype=torch.float32).eval()
     theirs = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
@@ -90,9 +90,12 @@ def test_short_run_logs_metrics_and_writes_loadable_checkpoints(tmp_path, tiny_m
 
 
 def test_resume_equals_uninterrupted_run(tmp_path, tiny_model_dir, countdown_dir, digit_reward):
-    train.train(tiny_config(tmp_path / "full", tiny_model_dir, countdown_dir, "optim.num_steps=4"))
-    train.train(tiny_config(tmp_path / "cut", tiny_model_dir, countdown_dir, "optim.num_steps=2"))
-    resumed_config = tiny_config(tmp_path / "cut", tiny_model_dir, countdown_dir, "optim.num_steps=4")
+    # The eval after the resume samples too, long enough answers to earn different rewards.
+    sampled_eval = ["eval.temperature=1.0", "eval.num_samples=2", "eval.max_gen_len=16", "eval.max_questions=16",
+                    "task.test_size=16"]
+    train.train(tiny_config(tmp_path / "full", tiny_model_dir, countdown_dir, "optim.num_steps=4", *sampled_eval))
+    train.train(tiny_config(tmp_path / "cut", tiny_model_dir, countdown_dir, "optim.num_steps=2", *sampled_eval))
+    resumed_config = tiny_config(tmp_path / "cut", tiny_model_dir, countdown_dir, "optim.num_steps=4", *sampled_eval)
     train.train(resumed_config, resume=str(tmp_path / "cut" / "checkpoints" / "tiny"))
     full = Transformer.from_pretrained(tmp_path / "full" / "checkpoints" / "tiny" / "step_000004", dtype=torch.float32)
     resumed = Transformer.from_pretrained(tmp_path / "cut" / "checkpoints" / "tiny" / "step_000004", dtype=torch.float32)
@@ -104,6 +107,10 @@ def test_resume_equals_uninterrupted_run(tmp_path, tiny_model_dir, countdown_dir
     files = sorted((tmp_path / "cut" / "logs" / "tiny").glob("events.out.tfevents.*"), key=lambda f: f.stat().st_mtime)
     resumed_loss = {step: value for file in files for step, value in read_scalars(file).get("train/loss", [])}
     assert sorted(resumed_loss.items()) == full_loss
+    # The evaluation after the resume (step 4) answers with the same samples: its reward is the same float.
+    full_eval = read_scalars(tmp_path / "full" / "logs" / "tiny")["eval/mean_reward"]
+    resumed_eval = dict(read_scalars(files[-1])["eval/mean_reward"])
+    assert resumed_eval == {4: dict(full_eval)[4]} and len({value for _, value in full_eval}) > 1
 
 
 def test_zero_reward_steps_skip_the_update_and_warn_with_the_sft_fix(tmp_path, tiny_model_dir, countdown_dir, caplog):
