@@ -4,7 +4,7 @@ fixes each: a model directory (config.json, weights, tokenizer), a task's data f
 The entry points run these checks on their command line, before they import torch (see
 check_command_line in config.py): a wrong path, a model directory without its config.json, an empty
 data directory or a read-only log directory is answered in about a second, with one line, and before
-any file is created. Loading (qwen2_model, tokenizer, the task modules) calls the same functions, so a
+any file is created. Loading (runtime.load_model, tokenizer, the task modules) calls the same functions, so a
 file is judged the same way before and after torch loads. Nothing here imports more than the standard
 library, checkpoint.py (what a run directory holds) and hub.py (which fetches a Hub id; pyarrow only inside read_parquet, which reads the rows).
 """

@@ -1,55 +1,13 @@
-"""Per-token log-probabilities and entropies without materialising [batch, seq, vocab] logits.
+"""Per-token log-probabilities and entropies of answers, scored without [batch, seq, vocab] logits.
 
-With Qwen's 151,936-token vocabulary the fp32 logits of one 2 x 1280 micro-batch take 1.5 GB, and
-autograd would keep several tensors that size. Here the vocabulary projection runs chunk by chunk:
-forward keeps only [batch, chunk] results, and backward recomputes one chunk's logits at a time. The
-model runs this in its forward when given `targets`.
+The model's forward, given `targets`, projects to the vocabulary chunk by chunk (qwen2_model's
+ChunkLogProbs: with Qwen's 151,936-token vocabulary the fp32 logits of one 2 x 1280 micro-batch take
+1.5 GB). Here: the layout that scores only answer tokens, each prompt run once.
 """
 
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
-
-
-class ChunkLogProbs(torch.autograd.Function):
-    """log p(target) and entropy [batch, chunk] of hidden states [batch, chunk, hidden_size].
-
-    Forward keeps the chunk's log-normaliser [batch, chunk, 1] and no logits; backward recomputes the
-    logits once and writes the gradient of log p(target) directly, d/dlogits = onehot(target) - softmax,
-    instead of replaying log_softmax under autograd. The entropy is computed once, in forward, as a metric.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden: torch.Tensor, targets: torch.Tensor, lm_head_weight: torch.Tensor, with_entropy: bool):
-        logits = F.linear(hidden, lm_head_weight).float()
-        log_normaliser = logits.logsumexp(dim=-1, keepdim=True)
-        log_probs = logits.sub_(log_normaliser)  # in place: one vocabulary-sized fp32 tensor at a time
-        target_log_probs = log_probs.gather(-1, targets[..., None]).squeeze(-1)
-        entropy = -log_probs.exp().mul_(log_probs).sum(-1) if with_entropy else None  # no third vocab-sized tensor
-        ctx.save_for_backward(hidden, targets, lm_head_weight, log_normaliser)
-        ctx.mark_non_differentiable(*([entropy] if with_entropy else []))
-        return target_log_probs, entropy
-
-    @staticmethod
-    def backward(ctx, grad_target_log_probs: torch.Tensor, _grad_entropy):
-        hidden, targets, lm_head_weight, log_normaliser = ctx.saved_tensors
-        grad = grad_target_log_probs[..., None]
-        probs = F.linear(hidden, lm_head_weight).float().sub_(log_normaliser).exp_()
-        grad_logits = probs.mul_(-grad).scatter_add_(-1, targets[..., None], grad).to(hidden.dtype)
-        grad_hidden = grad_logits @ lm_head_weight
-        grad_weight = grad_logits.flatten(0, -2).T @ hidden.flatten(0, -2)
-        return grad_hidden, None, grad_weight, None
-
-
-def chunked_token_log_probs(hidden: torch.Tensor, targets: torch.Tensor, lm_head_weight: torch.Tensor,
-                            chunk_size: int, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log p(targets), entropy or None), both [batch, seq], from final hidden states [batch, seq, hidden_size]."""
-    pieces = [ChunkLogProbs.apply(hidden[:, start : start + chunk_size], targets[:, start : start + chunk_size],
-                                  lm_head_weight, with_entropy)
-              for start in range(0, targets.shape[1], chunk_size)]
-    log_probs, entropy = zip(*pieces)
-    return torch.cat(log_probs, dim=1), torch.cat(entropy, dim=1) if with_entropy else None
 
 
 def token_log_probs(model, tokens: torch.Tensor, chunk_size: int = 512) -> tuple[torch.Tensor, torch.Tensor]:

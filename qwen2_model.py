@@ -6,7 +6,9 @@ asks for them, and may stretch RoPE for long contexts ("llama3" scaling). Anythi
 asks for that changes the math is refused by name rather than ignored (see `unsupported_settings`).
 
 Module and parameter names mirror the Hugging Face layout (minus the leading "model." prefix) so
-loading and saving are a plain state-dict copy.
+loading and saving are a plain state-dict copy. The file needs only torch, safetensors and the standard
+library: copy it alone into another project. (The entry points check a model directory first, with the
+fix for each mistake: inputs.check_model_dir.)
 """
 
 import json
@@ -22,10 +24,52 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from inputs import read_hf_config, weight_files
-from logprobs import chunked_token_log_probs
-
 logger = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------- log-probs of targets
+# With Qwen's 151,936-token vocabulary the fp32 logits of one 2 x 1280 micro-batch take 1.5 GB, and autograd
+# would keep several tensors that size: forward(targets=...) projects to the vocabulary chunk by chunk.
+
+
+class ChunkLogProbs(torch.autograd.Function):
+    """log p(target) and entropy [batch, chunk] of hidden states [batch, chunk, hidden_size].
+
+    Forward keeps the chunk's log-normaliser [batch, chunk, 1] and no logits; backward recomputes the
+    logits once and writes the gradient of log p(target) directly, d/dlogits = onehot(target) - softmax,
+    instead of replaying log_softmax under autograd. The entropy is computed once, in forward, as a metric.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, targets: torch.Tensor, lm_head_weight: torch.Tensor, with_entropy: bool):
+        logits = F.linear(hidden, lm_head_weight).float()
+        log_normaliser = logits.logsumexp(dim=-1, keepdim=True)
+        log_probs = logits.sub_(log_normaliser)  # in place: one vocabulary-sized fp32 tensor at a time
+        target_log_probs = log_probs.gather(-1, targets[..., None]).squeeze(-1)
+        entropy = -log_probs.exp().mul_(log_probs).sum(-1) if with_entropy else None  # no third vocab-sized tensor
+        ctx.save_for_backward(hidden, targets, lm_head_weight, log_normaliser)
+        ctx.mark_non_differentiable(*([entropy] if with_entropy else []))
+        return target_log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_target_log_probs: torch.Tensor, _grad_entropy):
+        hidden, targets, lm_head_weight, log_normaliser = ctx.saved_tensors
+        grad = grad_target_log_probs[..., None]
+        probs = F.linear(hidden, lm_head_weight).float().sub_(log_normaliser).exp_()
+        grad_logits = probs.mul_(-grad).scatter_add_(-1, targets[..., None], grad).to(hidden.dtype)
+        grad_hidden = grad_logits @ lm_head_weight
+        grad_weight = grad_logits.flatten(0, -2).T @ hidden.flatten(0, -2)
+        return grad_hidden, None, grad_weight, None
+
+
+def chunked_token_log_probs(hidden: torch.Tensor, targets: torch.Tensor, lm_head_weight: torch.Tensor,
+                            chunk_size: int, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log p(targets), entropy or None), both [batch, seq], from final hidden states [batch, seq, hidden_size]."""
+    pieces = [ChunkLogProbs.apply(hidden[:, start : start + chunk_size], targets[:, start : start + chunk_size],
+                                  lm_head_weight, with_entropy)
+              for start in range(0, targets.shape[1], chunk_size)]
+    log_probs, entropy = zip(*pieces)
+    return torch.cat(log_probs, dim=1), torch.cat(entropy, dim=1) if with_entropy else None
 
 
 # model_type -> the transformers class whose math (and config defaults) each architecture follows.
@@ -428,7 +472,7 @@ class Transformer(nn.Module):
     @classmethod
     def from_pretrained(cls, model_dir, device="cpu", dtype: torch.dtype = torch.bfloat16) -> "Transformer":
         model_dir = Path(model_dir)
-        hf_config = read_hf_config(model_dir)
+        hf_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
         config = ModelConfig.from_hf_dict(hf_config)
         # Build on the meta device so the weights only ever exist once, where they are loaded.
         with torch.device("meta"):
@@ -478,9 +522,17 @@ def hf_name(name: str) -> str:
     return name if name.startswith("lm_head.") else f"model.{name}"
 
 
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """model.safetensors, or the shards model.safetensors.index.json lists."""
+    index = model_dir / "model.safetensors.index.json"
+    if not index.is_file():
+        return [model_dir / "model.safetensors"]
+    return [model_dir / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+
+
 def load_safetensors(model_dir: Path, device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     state = {}
-    for file in weight_files(model_dir):
+    for file in safetensors_files(model_dir):
         with safe_open(file, framework="pt", device=str(device)) as handle:
             for key in handle.keys():
                 state[key.removeprefix("model.")] = handle.get_tensor(key).to(dtype)

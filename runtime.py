@@ -19,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 import checkpoint
 import config as config_lib
 import distributed
+import inputs
 from config import ModelSetup, SFTConfig, TrainConfig
 from qwen2_model import Transformer
 
@@ -86,6 +87,8 @@ def set_rng_state(state: dict) -> None:
 def load_model(setup: ModelSetup, device: torch.device, model_dir=None) -> Transformer:
     """The model of `model_dir` (default: setup.dir) on `device`, in the configured dtype."""
     model_dir = Path(model_dir or setup.dir)
+    inputs.read_hf_config(model_dir)  # what from_pretrained reads, each mistake named with its fix
+    inputs.weight_files(model_dir)
     try:
         model = Transformer.from_pretrained(model_dir, device=device, dtype=DTYPES[setup.dtype])
     except SafetensorError as error:  # its message names no file: find the one that is damaged

@@ -2,13 +2,34 @@
 
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import runtime
+from config import ModelSetup
 from qwen2_model import Transformer
 from tiny_model import build_tiny_model
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(model_dir) -> Transformer:
+    """As the entry points load a model: the directory checked first, each mistake named with its fix."""
+    return runtime.load_model(ModelSetup(dir=str(model_dir), dtype="float32"), torch.device("cpu"))
+
+
+def test_the_model_file_needs_only_torch_safetensors_and_the_standard_library():
+    project = {path.stem for path in REPO_ROOT.glob("*.py")} - {"qwen2_model"}
+    loaded = subprocess.run([sys.executable, "-c", "import sys, qwen2_model; print(' '.join(sys.modules))"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.split()
+    assert not project & set(loaded), project & set(loaded)
+    top_level = {name.partition(".")[0] for name in loaded}
+    assert {"torch", "safetensors"} <= top_level and not top_level & {"yaml", "huggingface_hub", "transformers"}
 
 
 def reference_logits(model_dir, tokens):
@@ -106,32 +127,32 @@ def test_kv_cache_prefill_and_decode_match_full_forward(tiny_model_dir):
 
 def test_missing_directory_says_how_to_download(tmp_path):
     with pytest.raises(FileNotFoundError, match="git clone https://huggingface.co/Qwen/Qwen2.5-3B-Instruct"):
-        Transformer.from_pretrained(tmp_path / "nope")
+        load(tmp_path / "nope")
 
 
 def test_download_hint_names_the_missing_hub_model(tmp_path):
     with pytest.raises(FileNotFoundError, match="git clone https://huggingface.co/Qwen/Qwen2.5-Math-1.5B"):
-        Transformer.from_pretrained(tmp_path / "Qwen2.5-Math-1.5B")
+        load(tmp_path / "Qwen2.5-Math-1.5B")
 
 
 def test_missing_config_is_explained(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no config.json"):
-        Transformer.from_pretrained(tmp_path / "empty")
+        load(tmp_path / "empty")
 
 
 def test_missing_weights_are_explained(tmp_path, tiny_model_dir):
     shutil.copytree(tiny_model_dir, tmp_path / "model")
     (tmp_path / "model" / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="model.safetensors' is missing"):
-        Transformer.from_pretrained(tmp_path / "model")
+        load(tmp_path / "model")
 
 
 def test_git_lfs_pointer_is_explained(tmp_path, tiny_model_dir):
     shutil.copytree(tiny_model_dir, tmp_path / "model")
     (tmp_path / "model" / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\n")
     with pytest.raises(ValueError, match="git lfs pull"):
-        Transformer.from_pretrained(tmp_path / "model")
+        load(tmp_path / "model")
 
 
 def test_other_model_type_is_refused(tmp_path, tiny_model_dir):
