@@ -37,12 +37,11 @@ def prepare_missing_inputs(config: BootstrapConfig, task: TaskConfig, model: Mod
     import countdown_task
     import tiny_model
     from runtime import RunStopped
-    from train_sft import SFTConfig, train_sft
+    from train_sft import train_sft
 
     sft_config = None
     if model is not None and not Path(model.dir).exists():
-        sft_config = config_lib.load(SFTConfig, config.sft_config, [*config.sft_overrides, f"output_dir={model.dir}"])
-        sft_config.task = task  # the warm-up learns the task GRPO will train on, from the same data
+        sft_config = config_lib.warm_up_config(config, task, model.dir)
         builds_base = bool(config.base_model_args) and not Path(sft_config.model.dir).exists()
         if builds_base:
             logger.info("building the base model %s", sft_config.model.dir)
@@ -50,7 +49,7 @@ def prepare_missing_inputs(config: BootstrapConfig, task: TaskConfig, model: Mod
         with _removed_on_error(Path(sft_config.model.dir)) if builds_base else contextlib.nullcontext():
             inputs.check_model_and_data(None, sft_config.model)  # a base model given by Hub id: fetched
             _check_shortest_prompt(config, task, Path(sft_config.model.dir), max_prompt_len)
-    if not Path(task.data_dir).exists():
+    if config.builds_data(task) and not Path(task.data_dir).exists():
         logger.info("generating the CountDown dataset %s", task.data_dir)
         countdown_task.main(["generate", "--out", task.data_dir, *shlex.split(config.dataset_args)])
     if sft_config is not None:

@@ -12,6 +12,7 @@ before it loads torch: --help and a config error answer at once (see check_comma
 """
 
 import dataclasses
+import importlib.util
 import math
 import os
 import re
@@ -171,7 +172,9 @@ class ModelSetup:
 
 @dataclass
 class TaskConfig:
-    name: Literal["countdown", "gsm8k"] = "countdown"
+    # countdown, gsm8k, or the import path of a task module of your own (tasks.py: the interface; an example:
+    # examples/sum_task.py, task.name=examples.sum_task), importable from the repository root or PYTHONPATH
+    name: str = "countdown"
     data_dir: str = "Jiayi-Pan/Countdown-Tasks-3to4"  # a data directory or Hub id (hub.py)
     test_size: int = 128  # countdown: the last rows held out for evaluation
     prompt_template: str = "reasoning"  # gsm8k: configs/prompts/<name>.txt or a file path
@@ -182,6 +185,51 @@ class TaskConfig:
     def validate(self) -> None:
         paths(self, "data_dir", "prompt_template")
         at_least(self, "test_size", 1)  # an empty test split would make every evaluation 0/0
+        check(self.is_builtin or MODULE_PATH.fullmatch(self.name), "name", f"must be {' or '.join(BUILTIN_TASKS)}, or the "
+              "import path of a task module (e.g. my_tasks.sudoku)", self.name)
+        check(self.is_builtin or module_exists(self.name), "name", "no such module: put your task module where "
+              "Python finds it (the repository root, or a directory on PYTHONPATH) and name it by its import path",
+              self.name)
+        if not self.is_builtin:
+            check_task_module(self.name)
+
+    @property
+    def is_builtin(self) -> bool:
+        """CountDown or GSM8K, whose data files the entry points check before torch loads (a module of your own
+        checks its own, as it loads them)."""
+        return self.name in BUILTIN_TASKS
+
+
+BUILTIN_TASKS = ("countdown", "gsm8k")
+MODULE_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+TASK_FUNCTIONS = ("load_dataset", "reward")  # what every task module defines (tasks.py: the interface)
+
+
+def check_task_module(name: str) -> None:
+    """Import a task module of yours (it may load torch) and check that it defines TASK_FUNCTIONS: found now,
+    not after a warm-up or a model load."""
+    try:
+        module = importlib.import_module(name)
+    except Exception as error:  # the module's own code failed: say where, as one line
+        raise ConfigError(f"task.name: importing {name} failed: {type(error).__name__}: {error}") from None
+    missing = [function for function in TASK_FUNCTIONS if not callable(getattr(module, function, None))]
+    if missing:
+        raise ConfigError(f"task.name: the module {name} ({module.__file__}) has no {' and no '.join(missing)}: a "
+                          "task module defines the functions tasks.py lists")
+
+
+def has_sft_response(name: str) -> bool:
+    return callable(getattr(importlib.import_module(name), "sft_response", None))
+
+
+def module_exists(name: str) -> bool:
+    """Whether `name` can be imported, found without running the module (it may import torch)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package that is missing
+        return False
 
 
 # Above this, sampling is all but uniform over the vocabulary: noise, not a policy.
@@ -510,6 +558,9 @@ class SFTConfig:
         paths(self, "output_dir")
         check(self.data.response == "solution" or self.task.name == "countdown", "data.response",
               f"'search' is a CountDown response; task.name {self.task.name!r} has 'solution' only", self.data.response)
+        check(bool(self.data.train_jsonl) or self.task.is_builtin or has_sft_response(self.task.name), "task.name",
+              "SFT learns the task's reference responses and this module has no sft_response(item): add one, or "
+              "give pairs in data.train_jsonl", self.task.name)
         if self.optim.stop_at_success is not None:
             check(bool(self.eval.interval and self.eval.max_questions != 0), "optim.stop_at_success",
                   "needs evaluations: eval.interval >= 1 and eval.max_questions >= 1 or null", self.optim.stop_at_success)
@@ -711,6 +762,20 @@ def load(schema: type[Config], paths=None, overrides: list[str] = (), base: dict
     for assignment in overrides:
         apply_override(values, assignment)
     return build(schema, values)
+
+
+def warm_up_config(bootstrap: BootstrapConfig, task: TaskConfig, model_dir: str) -> SFTConfig:
+    """The SFT warm-up that trains a missing model_dir: bootstrap.sft_config and its overrides, writing
+    model_dir, on the task GRPO trains on (the same data), validated with that task."""
+    values = read_yaml(bootstrap.sft_config)
+    for assignment in [*bootstrap.sft_overrides, f"output_dir={model_dir}"]:
+        apply_override(values, assignment)
+    values["task"] = to_dict(task)
+    try:
+        return build(SFTConfig, values)
+    except ConfigError as error:
+        raise ConfigError(f"bootstrap.sft_config: the warm-up {bootstrap.sft_config} on task.name {task.name!r}: "
+                          f"{error}; change the warm-up with bootstrap.sft_overrides") from None
 
 
 def to_dict(config) -> dict:

@@ -42,7 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", required=True, help="a Hugging Face model directory or Hub id, or a training "
                         "checkpoint")
     parser.add_argument("--data", help="the task's data directory or Hub id (task.data_dir; default: the checkpoint's)")
-    parser.add_argument("--task", choices=["countdown", "gsm8k"], help="task.name (default: the checkpoint's, else countdown)")
+    parser.add_argument("--task", help="task.name: countdown, gsm8k or a task module's import path (default: the "
+                        "checkpoint's, else countdown)")
     parser.add_argument("--config", action="append", help="YAML with seed/device/cpu_threads/model/task/eval keys; "
                         "repeat to merge several (default: the checkpoint's config.yaml, if any)")
     parser.add_argument("--split", default="test", choices=["train", "test"])

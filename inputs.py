@@ -149,7 +149,7 @@ def check_data(task: TaskConfig, splits: tuple[str, ...] = ("train", "test"), wi
     with named("task.data_dir"):
         if task.name == "countdown":
             countdown_files(Path(task.data_dir), with_solutions)
-        else:
+        elif task.name == "gsm8k":
             for split in splits:
                 gsm8k_files(Path(task.data_dir), split)
 
@@ -188,7 +188,7 @@ def check_model_and_data(task: TaskConfig | None, model: ModelSetup | None, *, b
     check the data (`splits` of `task`) and the model directory a run reads, before torch loads (None: that input
     is not needed); a missing one that `bootstrap` does not build stops with the command that makes it."""
     bootstrap = bootstrap or BootstrapConfig()
-    if task is not None and not bootstrap.builds_data(task):
+    if task is not None and task.is_builtin and not bootstrap.builds_data(task):  # a module of yours reads its own
         task.data_dir = hub.local_dir(task.data_dir, repo_type="dataset", key="task.data_dir", files=[
             COUNTDOWN_HUB_FILES if task.name == "countdown" else GSM8K_HUB_FILES])
     if task is not None and (Path(task.data_dir).exists() or not bootstrap.builds_data(task)):

@@ -1,18 +1,20 @@
-"""The tasks train.py, train_sft.py and evaluate.py can run: one table, looked up by task.name.
+"""The tasks train.py, train_sft.py and evaluate.py can run, looked up by task.name: countdown, gsm8k, or
+the import path of a module of your own (task.name=my_tasks.sudoku; examples/sum_task.py is one).
 
 Every task module exposes the same small interface:
     load_dataset(config: TaskConfig, tokenizer, split) -> a dataset whose items carry `prompt` (the rendered
         prompt) and `prompt_token_ids`, and whose `example(index)` is the item without the token ids
     reward(response, item, end_token) -> {"reward", "reward_info": {"format_reward", "answer_reward"}}
-    sft_response(item) -> the reference response SFT learns for an item that has a solution
-    SFT_CONFIG: the train_sft.py config of the task's warm-up
 and may expose
+    sft_response(item) -> the reference response SFT learns for an item (train_sft.py needs it)
+    SFT_CONFIG: the train_sft.py config of the task's warm-up (named when GRPO finds no reward to learn from)
     sft_search_response(item) -> a reference response that searches (SFT's data.response: search)
     shortcut_baseline(train_set) -> an object whose report(samples) gives the metrics that a trivial policy
         scores beside the model's (CountDown: the best fixed answer forms, countdown_forms.py)
 Success and format are read from reward_info the same way for every task (is_success, is_well_formatted).
 """
 
+import importlib
 from pathlib import Path
 from types import ModuleType
 
@@ -28,8 +30,13 @@ TASKS: dict[str, ModuleType] = {"countdown": countdown_task, "gsm8k": gsm8k_task
 
 
 def get(config: TaskConfig) -> ModuleType:
-    """The module of task.name (config.py allows only the names in TASKS)."""
-    return TASKS[config.name]
+    """The module of task.name: a built-in task's, or the module of that import path (config.py checked its
+    interface)."""
+    return TASKS.get(config.name) or importlib.import_module(config.name)
+
+
+def sft_config_of(config: TaskConfig) -> str | None:
+    return getattr(get(config), "SFT_CONFIG", None)
 
 
 def load_dataset(config: TaskConfig, tokenizer, split: str) -> torch.utils.data.Dataset:
@@ -53,13 +60,13 @@ def sft_pairs(config: TaskConfig, tokenizer, response: str = "solution") -> list
     train_sft tokenizes them all at once): its solutions, or (response "search", CountDown) the search traces
     its exact solver writes, which need no solution column."""
     dataset = load_dataset(config, tokenizer, "train")
-    if response == "search":
-        write = get(config).sft_search_response
-    elif "solution" not in dataset.example(0):  # CountDown data from the Hub, or generated without --with-solutions
+    if response == "solution" and config.name == "countdown" and "solution" not in dataset.example(0):
         raise config_lib.DataError(f"task.data_dir: {config.data_dir} holds no reference solutions (no `solution` "
                                    f"column). {countdown_data_hint(Path(config.data_dir), with_solutions=True)}")
-    else:
-        write = get(config).sft_response
+    write = getattr(get(config), "sft_search_response" if response == "search" else "sft_response", None)
+    if write is None:  # a module of yours, warmed up by bootstrap (train_sft.py's own config check says it first)
+        raise config_lib.ConfigError(f"task.name: the task {config.name} has no sft_response(item), so SFT has no "
+                                     "reference responses to learn: add one, or give pairs in data.train_jsonl")
     items = map(dataset.example, range(len(dataset)))
     return [{"prompt": item["prompt"], "response": write(item)} for item in items]
 

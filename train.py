@@ -56,6 +56,8 @@ def check_inputs(config: TrainConfig, checkpoint_dir: Path | None) -> None:
     a mistake is answered at once and creates nothing. (What the bootstrap builds is checked as it loads.)"""
     inputs.check_model_and_data(config.task, None if checkpoint_dir else config.model, bootstrap=config.bootstrap)
     model_dir = Path(checkpoint_dir or config.model.dir)  # resuming, the checkpoint is the model
+    if not model_dir.exists():  # check_model_and_data: the bootstrap builds it; its warm-up's config, now
+        config_lib.warm_up_config(config.bootstrap, config.task, config.model.dir)
     hf_config = inputs.read_hf_config(model_dir) if model_dir.is_dir() else {}  # not yet built: checked as it loads
     if "max_position_embeddings" in hf_config:
         config.validate_for_model(hf_config["max_position_embeddings"])
@@ -336,7 +338,7 @@ def warn_no_reward(config: TrainConfig, steps: int) -> None:
         "    uv run train_sft.py --config %s --set model.dir=%s --set task.data_dir=%s --set output_dir=%s-sft\n"
         "(a pretrained model wants a small rate, e.g. --set optim.learning_rate=1e-5), then train from it with "
         "--set model.dir=%s-sft. optim.warn_after_zero_reward_steps sets when this warning appears (0: never).",
-        steps, config.model.dir, config.task.name, tasks.get(config.task).SFT_CONFIG, config.model.dir,
+        steps, config.model.dir, config.task.name, tasks.sft_config_of(config.task) or "FILE", config.model.dir,
         config.task.data_dir, config.model.dir, config.model.dir)
 
 

@@ -187,6 +187,28 @@ BEFORE_TORCH = [
      "data error: data.train_jsonl: {tmp}/pairs.jsonl line 2: not JSON"),
     ("SFT output under a file", lambda p: write(p.file, ""), lambda p: sft_args(p, f"output_dir={p.file}/out"),
      "config error: output_dir: cannot create {file}/out: {file} is not a directory"),
+    ("task module missing", None, lambda p: train_args(p, "task.name=my_tasks.sudoku"),
+     "config error: task.name: no such module: put your task module where Python finds it (the repository root, "
+     "or a directory on PYTHONPATH) and name it by its import path, got 'my_tasks.sudoku'\n"),
+    ("task name not an import path", None, lambda p: train_args(p, "task.name=count-down"),
+     "config error: task.name: must be countdown or gsm8k, or the import path of a task module (e.g. "
+     "my_tasks.sudoku), got 'count-down'\n"),
+    ("task module without the interface", None, lambda p: train_args(p, "task.name=json"),
+     "config error: task.name: the module json ("),
+    ("task module failing on import", None, lambda p: train_args(p, "task.name=tests.fixtures.tasks.fails_on_import"),
+     "config error: task.name: importing tests.fixtures.tasks.fails_on_import failed: RuntimeError: the sudoku grid "
+     "file is missing\n"),
+    ("SFT on a task module without sft_response", None,
+     lambda p: sft_args(p, "task.name=tests.fixtures.tasks.no_sft_response", "data.response=solution"),
+     "config error: task.name: SFT learns the task's reference responses and this module has no sft_response(item): "
+     "add one, or give pairs in data.train_jsonl, got 'tests.fixtures.tasks.no_sft_response'\n"),
+    ("demo warm-up unfit for the task", None,  # the demo's SFT writes CountDown's search responses
+     lambda p: ["train.py", "--config", "configs/cpu_demo.yaml", *train_args(p, f"model.dir={p.tmp / 'sft'}",
+                f"bootstrap.model_dir={p.tmp / 'sft'}", "task.name=tests.fixtures.tasks.no_sft_response")[1:]],
+     "config error: bootstrap.sft_config: the warm-up configs/cpu_demo_sft.yaml on task.name "
+     "'tests.fixtures.tasks.no_sft_response': data.response: 'search' is a CountDown response; task.name "
+     "'tests.fixtures.tasks.no_sft_response' has 'solution' only, got 'search'; change the warm-up with "
+     "bootstrap.sft_overrides\n"),
     ("evaluate a model without config.json", lambda p: (p.model / "config.json").unlink(), evaluate_args,
      "missing input: model.dir: '{model}' has no config.json"),
     ("evaluate on missing data", lambda p: shutil.rmtree(p.data), evaluate_args,
