@@ -277,7 +277,7 @@ def update_policy(
     reference_model=None,
     progress: bool = False,
 ) -> dict[str, float]:
-    """`config.epochs_per_rollout` optimizer steps on these episodes; returns `update_metrics` of the whole
+    """`config.epochs_per_rollout` optimizer steps on these episodes; returns UpdateStats.metrics of the whole
     batch (empty when the update is skipped).
 
     The loss is averaged over the whole batch's sequences or tokens: under data parallel `episodes` are this
@@ -286,10 +286,6 @@ def update_policy(
     `optimizer_step.micro_batch(last)` (`last`: an epoch's last micro-batch); `optimizer_step()`
     then applies the accumulated gradients and returns their norm.
     With config.kl_beta > 0, `reference_model` (the frozen initial policy) adds beta x k3 KL per token.
-    With config.top_entropy_fraction, only tokens whose sampler entropy is among the batch's (every rank's)
-    highest train (high_entropy_threshold).
-    When the episodes carry the sampler's log-probs (grpo.rollout's do), the first epoch also measures how far
-    the trainer's log-probs are from them (`update_metrics`: sampler_logprob_diff_mean and _max).
     """
     counts = batch_counts(episodes, advantages)
     if not counts.with_advantage and not (config.kl_beta and counts.sequences):
@@ -298,128 +294,204 @@ def update_policy(
         if not counts.sequences:
             logger.warning("no episodes to train on this step (all were filtered out); skipping the update")
         return {}
-    if config.kl_beta and reference_model is None:
-        raise ValueError("loss.kl_beta > 0 needs the frozen reference model (reference_model=...)")
-    sampled = all(len(e.sampler_log_probs) == e.num_generated_tokens for e in episodes)
-    if (config.sampler_is_cap or config.top_entropy_fraction) and not sampled:
-        raise ValueError("loss.sampler_is_cap and loss.top_entropy_fraction need the sampler's per-token log-probs "
-                         "and entropies (episodes from grpo.rollout)")
-    entropy_threshold = None
-    if config.top_entropy_fraction:
-        entropies = distributed.all_ranks([entropy for episode in episodes for entropy in episode.sampler_entropies])
-        entropy_threshold = high_entropy_threshold(entropies, config.top_entropy_fraction) if entropies else None
+    sampled = check_update_inputs(episodes, config, reference_model)
+    entropy_threshold = batch_entropy_threshold(episodes, config)
     weights = episode_loss_weights(episodes, config, num_sequences=counts.sequences, num_tokens=counts.tokens,
                                    max_gen_len=max_gen_len)
     episode_sums = {"advantage_abs_sum": sum(abs(a) for a in advantages), "episodes": len(episodes)}
-    if not config.kl_beta and not distributed.is_initialized():
-        # An answer with advantage 0 (its group's rewards were all equal) adds exactly 0 to the loss and its
-        # gradient, in every epoch: leave it out of the forward and backward. The weights, from the whole
-        # batch's counts, are unchanged, so the update is too. Early in training that is most answers.
-        # (Not under torchrun: ranks left with different numbers of micro-batches would desynchronise FSDP.)
-        trained = [index for index, advantage in enumerate(advantages) if advantage != 0]
-        episodes, advantages, weights = ([values[i] for i in trained] for values in (episodes, advantages, weights))
-    start = time.perf_counter()
-    device = next(model.parameters()).device
+    episodes, advantages, weights = episodes_to_train(episodes, advantages, weights, config)
+    stats = UpdateStats(next(model.parameters()).device, config)
     batches = micro_batches(episodes, optim.micro_batch_size)
-    old_log_probs = {}  # per micro-batch, from the first epoch: the policy that sampled the episodes
-    reference_log_probs = {}  # per micro-batch, from the frozen reference (kl_beta > 0 only)
-    loss_scales = {}  # per micro-batch, token_loss_scales (None: every token weighs fully)
-    # Accumulated on the device and read once at the end: a host read per micro-batch would stall
-    # the device queue. float64, so sums of float32 values are the same as Python's float sums.
-    sums = torch.zeros(len(TOKEN_SUMS), dtype=torch.float64, device=device)
-    ratio_max = torch.zeros((), device=device)
-    kl_sum = torch.zeros((), dtype=torch.float64, device=device)
-    sampler_diff_sum = torch.zeros((), dtype=torch.float64, device=device)  # |trainer - sampler log p|, first epoch
-    sampler_diff_max = torch.zeros((), device=device)
-    grad_norm, num_tokens = 0.0, 0
+    anchors = {}  # per micro-batch, fixed by the first epoch
     model.train()
     for epoch in range(config.epochs_per_rollout):
         bar = progress_bar(batches, desc=f"update {epoch + 1}/{config.epochs_per_rollout}", unit="micro-batch",
                            enabled=progress, leave=False)
         for batch_number, indices in enumerate(bar):
             batch = [episodes[i] for i in indices]
-            scored = episode_batch(batch, pad_token_id, device)
-            mask = scored.mask
+            scored = episode_batch(batch, pad_token_id, stats.device)
             with optimizer_step.micro_batch(batch_number == len(batches) - 1):
                 log_probs, entropy = answer_log_probs(model, scored, optim.logprob_chunk_size)
                 if epoch == 0:
-                    old_log_probs[batch_number] = log_probs.detach()
-                    sampler_log_probs = None
-                    if sampled:
-                        sampler_log_probs = per_token_values([e.sampler_log_probs for e in batch], mask)
-                        diff = (log_probs.detach() - sampler_log_probs).abs() * mask
-                        sampler_diff_sum += diff.sum().double()
-                        sampler_diff_max = torch.maximum(sampler_diff_max, diff.max())
-                    loss_scales[batch_number] = token_loss_scales(
-                        batch, log_probs=log_probs, sampler_log_probs=sampler_log_probs, mask=mask, config=config,
-                        entropy_threshold=entropy_threshold)
-                    if config.kl_beta:
-                        with torch.no_grad():
-                            reference, _ = answer_log_probs(reference_model, scored, optim.logprob_chunk_size,
-                                                            with_entropy=False)
-                        # Padding positions get the policy's own value (KL 0), so a far-off reference
-                        # there cannot overflow exp() into inf x 0 = NaN.
-                        reference_log_probs[batch_number] = torch.where(mask, reference, log_probs.detach())
-                per_token_advantage = torch.tensor([advantages[i] for i in indices], device=device)[:, None]
-                per_token_weight = torch.tensor([weights[i] for i in indices], device=device)[:, None] * mask
-                token_losses, ratio, clipped = surrogate_token_losses(
-                    log_probs, old_log_probs[batch_number], per_token_advantage, config, mask=mask
-                )
-                if loss_scales[batch_number] is not None:
-                    token_losses = token_losses * loss_scales[batch_number]
-                if config.kl_beta:
-                    kl = k3_kl(log_probs, reference_log_probs[batch_number])
-                    token_losses = token_losses + config.kl_beta * kl
-                    kl_sum += (kl.detach() * mask).sum().double()
-                loss = (token_losses * per_token_weight).sum()
-                loss.backward()
-            ratio = ratio.detach()
-            sums += torch.stack([loss.detach().double() / config.epochs_per_rollout, mask.sum().double(),
-                                 (entropy * mask).sum().double(), (clipped & mask).sum().double(),
-                                 (ratio * mask).sum().double()])
-            ratio_max = torch.maximum(ratio_max, (ratio * mask).max())
-            num_tokens += sum(episode.num_generated_tokens for episode in batch)
-            bar.set_postfix(tok_per_s=f"{num_tokens / (time.perf_counter() - start):.0f}")
-        grad_norm = optimizer_step()
-    totals = dict(zip(TOKEN_SUMS, sums.tolist()))
+                    anchors[batch_number] = anchor_micro_batch(
+                        batch, scored, log_probs, sampled=sampled, reference_model=reference_model, config=config,
+                        logprob_chunk_size=optim.logprob_chunk_size, entropy_threshold=entropy_threshold)
+                    stats.add_sampler_diff(batch, log_probs, anchors[batch_number].sampler_log_probs, scored.mask)
+                result = micro_batch_loss(log_probs, anchors[batch_number], [advantages[i] for i in indices],
+                                          [weights[i] for i in indices], scored.mask, config)
+                result.loss.backward()
+            stats.add(result, batch, entropy, scored.mask)
+            bar.set_postfix(tok_per_s=f"{stats.tokens_per_second():.0f}")
+        stats.grad_norm = optimizer_step()
+    return stats.metrics(episode_sums)
+
+
+def check_update_inputs(episodes: list[Episode], config: LossConfig, reference_model) -> bool:
+    """Whether the episodes carry the sampler's per-token log-probs and entropies (grpo.rollout's do); raises
+    when the loss needs something the caller did not pass."""
+    if config.kl_beta and reference_model is None:
+        raise ValueError("loss.kl_beta > 0 needs the frozen reference model (reference_model=...)")
+    sampled = all(len(e.sampler_log_probs) == e.num_generated_tokens for e in episodes)
+    if (config.sampler_is_cap or config.top_entropy_fraction) and not sampled:
+        raise ValueError("loss.sampler_is_cap and loss.top_entropy_fraction need the sampler's per-token log-probs "
+                         "and entropies (episodes from grpo.rollout)")
+    return sampled
+
+
+def batch_entropy_threshold(episodes: list[Episode], config: LossConfig) -> float | None:
+    """With loss.top_entropy_fraction, the sampler entropy at or above which a token trains, over every rank's
+    tokens (high_entropy_threshold); None otherwise."""
+    if not config.top_entropy_fraction:
+        return None
+    entropies = distributed.all_ranks([entropy for episode in episodes for entropy in episode.sampler_entropies])
+    return high_entropy_threshold(entropies, config.top_entropy_fraction) if entropies else None
+
+
+def episodes_to_train(episodes: list[Episode], advantages: list[float], weights: list[float],
+                      config: LossConfig) -> tuple[list[Episode], list[float], list[float]]:
+    """The episodes whose loss is not exactly 0, with their advantages and weights.
+
+    An answer with advantage 0 (its group's rewards were all equal) adds exactly 0 to the loss and its gradient,
+    in every epoch: leave it out of the forward and backward. The weights, from the whole batch's counts, are
+    unchanged, so the update is too. Early in training that is most answers. Kept with a KL term (it has a
+    gradient there) and under torchrun (ranks left with different numbers of micro-batches would desynchronise
+    FSDP).
+    """
+    if config.kl_beta or distributed.is_initialized():
+        return episodes, advantages, weights
+    trained = [index for index, advantage in enumerate(advantages) if advantage != 0]
+    return tuple([values[i] for i in trained] for values in (episodes, advantages, weights))
+
+
+class MicroBatchAnchor(NamedTuple):
+    """What a micro-batch's first epoch fixes for every epoch (each laid out as its AnswerBatch's mask)."""
+
+    old_log_probs: torch.Tensor  # of the policy that sampled the episodes: the ratio's denominator
+    reference_log_probs: torch.Tensor | None  # the frozen reference's (kl_beta > 0)
+    sampler_log_probs: torch.Tensor | None  # the sampler's own (episodes from grpo.rollout)
+    loss_scale: torch.Tensor | None  # token_loss_scales (None: every token weighs fully)
+
+
+def anchor_micro_batch(batch: list[Episode], scored: AnswerBatch, log_probs: torch.Tensor, *, sampled: bool,
+                       reference_model, config: LossConfig, logprob_chunk_size: int,
+                       entropy_threshold: float | None) -> MicroBatchAnchor:
+    """The micro-batch's MicroBatchAnchor, from the first epoch's log-probs (before any optimizer step)."""
+    mask = scored.mask
+    sampler_log_probs = per_token_values([e.sampler_log_probs for e in batch], mask) if sampled else None
+    loss_scale = token_loss_scales(batch, log_probs=log_probs, sampler_log_probs=sampler_log_probs, mask=mask,
+                                   config=config, entropy_threshold=entropy_threshold)
+    reference_log_probs = None
     if config.kl_beta:
-        totals["kl_sum"] = kl_sum.item()
-    # Always the same keys, so ranks sum them alike; tokens 0 (nothing compared) leaves the metric out.
-    totals |= {"sampler_diff_sum": sampler_diff_sum.item(), "sampler_diff_max": sampler_diff_max.item(),
-               "sampler_diff_tokens": float(sum(e.num_generated_tokens for e in episodes)) if sampled else 0.0}
-    totals |= {**episode_sums, "ratio_max": ratio_max.item(), "grad_norm": grad_norm,
-               "update_seconds": time.perf_counter() - start}
-    sums = distributed.global_sums({key: totals[key] for key in UPDATE_SUMS if key in totals})  # kl_sum: with KL only
-    maxima = {key: distributed.global_max(totals[key]) for key in ("ratio_max", "sampler_diff_max")}
-    return update_metrics({**totals, **sums, **maxima})
+        with torch.no_grad():
+            reference, _ = answer_log_probs(reference_model, scored, logprob_chunk_size, with_entropy=False)
+        # Padding positions get the policy's own value (KL 0), so a far-off reference
+        # there cannot overflow exp() into inf x 0 = NaN.
+        reference_log_probs = torch.where(mask, reference, log_probs.detach())
+    return MicroBatchAnchor(log_probs.detach(), reference_log_probs, sampler_log_probs, loss_scale)
 
 
-# What update_policy sums over micro-batches, and then over ranks before update_metrics.
+class MicroBatchLoss(NamedTuple):
+    loss: torch.Tensor  # the micro-batch's share of the batch loss
+    ratio: torch.Tensor  # per token, detached
+    clipped: torch.Tensor  # per token: the clip bound acted
+    kl: torch.Tensor | None  # per token k3 KL to the reference, detached (kl_beta > 0)
+
+
+def micro_batch_loss(log_probs: torch.Tensor, anchor: MicroBatchAnchor, advantages: list[float],
+                     weights: list[float], mask: torch.Tensor, config: LossConfig) -> MicroBatchLoss:
+    """The micro-batch's episodes' surrogate loss (x its token scales, + beta x KL), each token weighted by
+    its episode's loss weight."""
+    per_token_advantage = torch.tensor(advantages, device=mask.device)[:, None]
+    per_token_weight = torch.tensor(weights, device=mask.device)[:, None] * mask
+    token_losses, ratio, clipped = surrogate_token_losses(log_probs, anchor.old_log_probs, per_token_advantage,
+                                                          config, mask=mask)
+    if anchor.loss_scale is not None:
+        token_losses = token_losses * anchor.loss_scale
+    kl = None
+    if config.kl_beta:
+        kl = k3_kl(log_probs, anchor.reference_log_probs)
+        token_losses = token_losses + config.kl_beta * kl
+        kl = kl.detach()
+    return MicroBatchLoss((token_losses * per_token_weight).sum(), ratio.detach(), clipped, kl)
+
+
+# What UpdateStats sums over micro-batches on the device, and then what it sums over ranks.
 TOKEN_SUMS = ("loss", "tokens", "entropy", "clipped", "ratio_sum")
-# kl_sum: only with kl_beta > 0.
 UPDATE_SUMS = (*TOKEN_SUMS, "advantage_abs_sum", "episodes", "kl_sum", "sampler_diff_sum", "sampler_diff_tokens")
 
 
-def update_metrics(totals: dict[str, float]) -> dict[str, float]:
-    """Means of update_policy's sums (every rank's added up)."""
-    tokens = max(totals["tokens"], 1)
-    sampler = {}
-    if totals.get("sampler_diff_tokens"):  # episodes with the sampler's log-probs; over ranks, the largest max
-        sampler = {"sampler_logprob_diff_mean": totals["sampler_diff_sum"] / totals["sampler_diff_tokens"],
-                   "sampler_logprob_diff_max": totals["sampler_diff_max"]}
-    return {
-        **({"kl": totals["kl_sum"] / tokens} if "kl_sum" in totals else {}),
-        **sampler,
-        "loss": totals["loss"],
-        "grad_norm": totals["grad_norm"],
-        "entropy": totals["entropy"] / tokens,
-        "clip_fraction": totals["clipped"] / tokens,
-        "ratio_mean": totals["ratio_sum"] / tokens,
-        "ratio_max": totals["ratio_max"],
-        "advantage_abs_mean": totals["advantage_abs_sum"] / max(totals["episodes"], 1),
-        "update_seconds": totals["update_seconds"],
-        "update_tokens_per_second": totals["tokens"] / totals["update_seconds"],
-    }
+class UpdateStats:
+    """A step's statistics, summed on the device over micro-batches and read once, by `metrics`: a host read
+    per micro-batch would stall the device queue. float64, so sums of float32 values equal Python's float sums.
+
+    sampler_logprob_diff_mean and _max: how far the trainer's first-epoch log-probs are from the sampler's,
+    when the episodes carry them.
+    """
+
+    def __init__(self, device, config: LossConfig):
+        self.device, self.config = device, config
+        self.token_sums = torch.zeros(len(TOKEN_SUMS), dtype=torch.float64, device=device)
+        self.ratio_max = torch.zeros((), device=device)
+        self.kl_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.sampler_diff_sum = torch.zeros((), dtype=torch.float64, device=device)  # |trainer - sampler log p|
+        self.sampler_diff_max = torch.zeros((), device=device)
+        self.sampler_diff_tokens = 0
+        self.num_tokens = 0  # generated tokens scored, every epoch (the progress bar's speed)
+        self.grad_norm = 0.0
+        self.start = time.perf_counter()
+
+    def add_sampler_diff(self, batch: list[Episode], log_probs: torch.Tensor, sampler_log_probs: torch.Tensor | None,
+                         mask: torch.Tensor) -> None:
+        if sampler_log_probs is None:
+            return
+        diff = (log_probs.detach() - sampler_log_probs).abs() * mask
+        self.sampler_diff_sum += diff.sum().double()
+        self.sampler_diff_max = torch.maximum(self.sampler_diff_max, diff.max())
+        self.sampler_diff_tokens += sum(episode.num_generated_tokens for episode in batch)
+
+    def add(self, result: MicroBatchLoss, batch: list[Episode], entropy: torch.Tensor, mask: torch.Tensor) -> None:
+        self.token_sums += torch.stack([
+            result.loss.detach().double() / self.config.epochs_per_rollout, mask.sum().double(),
+            (entropy * mask).sum().double(), (result.clipped & mask).sum().double(),
+            (result.ratio * mask).sum().double()])
+        self.ratio_max = torch.maximum(self.ratio_max, (result.ratio * mask).max())
+        if result.kl is not None:
+            self.kl_sum += (result.kl * mask).sum().double()
+        self.num_tokens += sum(episode.num_generated_tokens for episode in batch)
+
+    def tokens_per_second(self) -> float:
+        return self.num_tokens / (time.perf_counter() - self.start)
+
+    def metrics(self, episode_sums: dict[str, float]) -> dict[str, float]:
+        """Means over the whole batch, every rank's sums added up (and, for the maxima, the largest)."""
+        totals = dict(zip(TOKEN_SUMS, self.token_sums.tolist())) | episode_sums
+        # Always the same keys, so ranks sum them alike (kl_sum: with KL only); tokens 0 leaves the diff out.
+        if self.config.kl_beta:
+            totals["kl_sum"] = self.kl_sum.item()
+        totals |= {"sampler_diff_sum": self.sampler_diff_sum.item(),
+                   "sampler_diff_tokens": float(self.sampler_diff_tokens)}
+        seconds = time.perf_counter() - self.start
+        totals = distributed.global_sums({key: totals[key] for key in UPDATE_SUMS if key in totals})
+        ratio_max, sampler_diff_max = (distributed.global_max(value.item())
+                                       for value in (self.ratio_max, self.sampler_diff_max))
+        tokens = max(totals["tokens"], 1)
+        sampler = {}
+        if totals["sampler_diff_tokens"]:
+            sampler = {"sampler_logprob_diff_mean": totals["sampler_diff_sum"] / totals["sampler_diff_tokens"],
+                       "sampler_logprob_diff_max": sampler_diff_max}
+        return {
+            **({"kl": totals["kl_sum"] / tokens} if "kl_sum" in totals else {}),
+            **sampler,
+            "loss": totals["loss"],
+            "grad_norm": self.grad_norm,
+            "entropy": totals["entropy"] / tokens,
+            "clip_fraction": totals["clipped"] / tokens,
+            "ratio_mean": totals["ratio_sum"] / tokens,
+            "ratio_max": ratio_max,
+            "advantage_abs_mean": totals["advantage_abs_sum"] / max(totals["episodes"], 1),
+            "update_seconds": seconds,
+            "update_tokens_per_second": totals["tokens"] / seconds,
+        }
 
 
 # ----------------------------------------------------------------------------- variants (docs/variants.md)
