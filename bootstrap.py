@@ -36,7 +36,7 @@ def prepare_missing_inputs(config: BootstrapConfig, task: TaskConfig, model: Mod
     inputs.check_model_and_data(task, model, bootstrap=config)
     import countdown_task
     import tiny_model
-    from runtime import RunStopped
+    from training_run import RunStopped
     from train_sft import train_sft
 
     sft_config = None

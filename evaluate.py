@@ -132,7 +132,8 @@ import tasks
 from data_types import QuestionBatch
 from grpo import rollout
 from run_logging import log_to_console, progress_bar
-from runtime import exit_on_interrupt, load_model, resolve_device, set_cpu_threads
+from runtime import load_model, resolve_device, set_cpu_threads
+from training_run import exit_on_interrupt
 from tokenizer import Tokenizer
 
 # ----------------------------------------------------------------------------- evaluation

@@ -75,9 +75,9 @@ from data_types import Episode, QuestionBatch
 from evaluate import run_evaluation
 from grpo import compute_advantages, overlong_penalty, rollout, sample_step, shape_rewards, update_policy
 from optimizer import new_adamw
-from run_logging import RunLogger, log_to_console, progress_bar
-from runtime import (RunStopped, StopRequest, exit_on_interrupt, load_model, load_policy, name_run,
-                     restore_trainer_state, save_checkpoint, set_up_process, step_indices)
+from run_logging import log_to_console
+from runtime import load_model, load_policy, step_indices
+from training_run import RunStopped, TrainingRun, exit_on_interrupt
 from tokenizer import Tokenizer
 
 logger = logging.getLogger("train")
@@ -146,115 +146,61 @@ def format_episode(episode: Episode) -> str:
 
 def train(config: TrainConfig, resume: str | None = None, overwrite: bool = False) -> dict:
     """Run GRPO as configured; returns the last evaluation's metrics (empty if none ran)."""
-    device = set_up_process(config.device, config.cpu_threads, config.seed)
-    checkpoint_dir, run_claim = start_run(config, resume, overwrite)
-    with checkpoint.released_on_error(run_claim):  # refused while loading: no lock or empty directory is left
-        # A checkpoint holds the policy and a copy of the tokenizer, so it is a complete model directory.
-        model_dir = checkpoint_dir or Path(config.model.dir)
-        tokenizer = Tokenizer(model_dir)
+    run = TrainingRun(config, resume, script="train.py")  # training_run.py: the life of a run, as train_sft.py's
+    base_model = None if run.checkpoint_dir else config.model  # resuming, the checkpoint is the model
+    inputs.check_model_and_data(config.task, base_model, bootstrap=config.bootstrap)  # Hub ids fetched
+    run.claim(overwrite)
+    with run.loading():
+        if distributed.world_size() == 1:  # ranks would race to write the same files: bootstrap single-process
+            bootstrap.prepare_missing_inputs(config.bootstrap, config.task, base_model, config.rollout.max_prompt_len)
+        tokenizer = Tokenizer(run.model_dir)
         train_set, test_set = (tasks.load_dataset(config.task, tokenizer, split) for split in ("train", "test"))
         check_prompts_fit(train_set, config.rollout.max_prompt_len)
         reward = tasks.get(config.task).reward
-        model, policy = load_policy(config.model, model_dir, device, config.distributed.fsdp)
+        model, policy = load_policy(config.model, run.model_dir, run.device, config.distributed.fsdp)
         config.validate_for_model(model.config.max_position_embeddings)
         reference_model = None
         if config.loss.kl_beta:  # the KL anchor: the initial policy (model.dir, also on resume), frozen, same dtype
-            reference_model = load_model(config.model, device).requires_grad_(False).eval()
+            reference_model = load_model(config.model, run.device).requires_grad_(False).eval()
         optimizer = new_adamw(model.parameters(), config.optim)
         optimizer_step = distributed.OptimizerStep(policy, optimizer, config.optim.max_grad_norm)
-        generator = torch.Generator(device=device).manual_seed(config.seed + distributed.rank())
-        start_step = restore_trainer_state(checkpoint_dir, model, optimizer, generator)["step"] if checkpoint_dir else 0
-    run_logger = open_run(config, start_step)  # rank 0 only
-    progress = config.progress and distributed.is_main_process()
-    logger.info("run %s on %s: %d train / %d test questions, logs in %s", config.run_name, device, len(train_set),
-                len(test_set), Path(config.logging.log_dir) / config.run_name)
+        generator = torch.Generator(device=run.device).manual_seed(config.seed + distributed.rank())
+        run.restore(model, optimizer, generator)
+    run_logger = run.open_logger()  # rank 0 only
+    logger.info("run %s on %s: %d train / %d test questions, logs in %s", config.run_name, run.device, len(train_set),
+                len(test_set), run.log_directory)
 
     evaluation = functools.partial(run_evaluation, model, tokenizer, test_set, reward=reward,
                                    max_gen_len=config.eval.max_gen_len or config.rollout.max_gen_len, config=config.eval,
-                                   seed=config.seed, run_logger=run_logger, progress=progress,
+                                   seed=config.seed, run_logger=run_logger, progress=run.progress,
                                    baseline=tasks.shortcut_baseline(config.task, train_set))
-    eval_metrics = evaluation(step=0) if config.eval.interval and start_step == 0 else {}
+    eval_metrics = evaluation(step=0) if config.eval.interval and run.start_step == 0 else {}
 
     def sample_round(step: int, round_index: int) -> list[Episode]:  # this rank's share of a round's questions
         batch = question_batch(train_set, step, config, round_index)
-        return rollout(model, tokenizer, batch, reward, config=config.rollout, generator=generator, progress=progress)
+        return rollout(model, tokenizer, batch, reward, config=config.rollout, generator=generator,
+                       progress=run.progress)
 
     zero_reward_steps = 0  # consecutive steps in which no episode earned any reward
-    stopping = False
-    with StopRequest() as stop:  # Ctrl-C or SIGTERM: the current step ends, is saved, and the run stops
-        # Counted by hand, once a step is done: a stop saves that step, and the last line names it.
-        steps = progress_bar(desc="grpo", total=config.optim.num_steps, initial=start_step, unit="step",
-                             enabled=progress)
-        for step in range(start_step + 1, config.optim.num_steps + 1):
-            episodes, kept, sampling = sample_step(model, functools.partial(sample_round, step), config.rollout)
-            train_episodes = episodes_to_train(kept, config)
-            advantages = compute_advantages(train_episodes, config.loss)
-            update = update_policy(policy, optimizer_step, train_episodes, advantages, config=config.loss,
-                                   optim=config.optim, max_gen_len=config.rollout.max_gen_len,
-                                   pad_token_id=tokenizer.pad_token_id, reference_model=reference_model,
-                                   progress=progress)
-            metrics, all_episodes = step_metrics(episodes, update=update, sampling=sampling,
-                                                 learning_rate=optimizer.param_groups[0]["lr"], config=config)
-            log_step(run_logger, step, metrics, episodes=all_episodes, config=config)
-            steps.update()
-            zero_reward_steps = 0 if any(e.reward > 0 for e in all_episodes) else zero_reward_steps + 1
-            if zero_reward_steps and zero_reward_steps == config.optim.warn_after_zero_reward_steps:
-                warn_no_reward(config, zero_reward_steps)
-            if config.eval.interval and step % config.eval.interval == 0:
-                eval_metrics = evaluation(step=step)
-            stopping = stop.requested() and step < config.optim.num_steps
-            last = stopping or step == config.optim.num_steps  # this process's last checkpoint: resumable
-            if last or (config.checkpoint.interval and step % config.checkpoint.interval == 0):
-                save_checkpoint(config, step, model, optimizer, model_dir=model_dir, generator=generator,
-                                resumable=last)
-            if stopping:
-                break
-        steps.close()
-    if run_logger:
-        run_logger.close()
-        if not stopping:
-            checkpoint.mark_finished(Path(config.checkpoint.dir) / config.run_name)
-        run_claim.release()
-    if stopping:
-        raise RunStopped("train.py", stop.signal, step, Path(config.checkpoint.dir) / config.run_name)
+    for step in run.steps(config.optim.num_steps, desc="grpo"):
+        episodes, kept, sampling = sample_step(model, functools.partial(sample_round, step), config.rollout)
+        train_episodes = episodes_to_train(kept, config)
+        advantages = compute_advantages(train_episodes, config.loss)
+        update = update_policy(policy, optimizer_step, train_episodes, advantages, config=config.loss,
+                               optim=config.optim, max_gen_len=config.rollout.max_gen_len,
+                               pad_token_id=tokenizer.pad_token_id, reference_model=reference_model,
+                               progress=run.progress)
+        metrics, all_episodes = step_metrics(episodes, update=update, sampling=sampling,
+                                             learning_rate=optimizer.param_groups[0]["lr"], config=config)
+        log_step(run_logger, step, metrics, episodes=all_episodes, config=config)
+        zero_reward_steps = 0 if any(e.reward > 0 for e in all_episodes) else zero_reward_steps + 1
+        if zero_reward_steps and zero_reward_steps == config.optim.warn_after_zero_reward_steps:
+            warn_no_reward(config, zero_reward_steps)
+        if config.eval.interval and step % config.eval.interval == 0:
+            eval_metrics = evaluation(step=step)
+        run.end_step(step, model, optimizer, generator=generator)
+    run.finish()
     return eval_metrics
-
-
-# ----------------------------------------------------------------------------- set-up
-
-
-def start_run(config: TrainConfig, resume: str | None, overwrite: bool) -> tuple[Path | None, checkpoint.RunClaim | None]:
-    """Name the run, take its directories (rank 0) and create the demo's missing inputs; returns the
-    checkpoint to resume from (None: a new run, or one that stopped before its first checkpoint) and the
-    claim to release at the end."""
-    checkpoint_dir = checkpoint.find(resume) if resume else None
-    if checkpoint_dir:
-        checkpoint.check_own_state(checkpoint_dir, config, resume)
-    name_run(config, resume)
-    base_model = None if checkpoint_dir else config.model  # resuming, the checkpoint is the model
-    # Before the run directory exists; Hub ids fetched.
-    inputs.check_model_and_data(config.task, base_model, bootstrap=config.bootstrap)
-    run_claim = None
-    if distributed.is_main_process():
-        run_claim = checkpoint.claim_run(Path(config.checkpoint.dir) / config.run_name,
-                                         Path(config.logging.log_dir) / config.run_name, bool(checkpoint_dir), overwrite)
-    if distributed.world_size() == 1:  # ranks would race to write the same files: bootstrap single-process
-        with checkpoint.released_on_error(run_claim):
-            bootstrap.prepare_missing_inputs(config.bootstrap, config.task, base_model,
-                                                 config.rollout.max_prompt_len)
-    return checkpoint_dir, run_claim
-
-
-def open_run(config: TrainConfig, start_step: int) -> RunLogger | None:
-    """Rank 0: the run's logger, and its config written beside the checkpoints and into the log."""
-    if not distributed.is_main_process():
-        return None
-    run_logger = RunLogger(config.logging, config.run_name, config_lib.to_dict(config), start_step)
-    run_directory = Path(config.checkpoint.dir) / config.run_name
-    run_directory.mkdir(parents=True, exist_ok=True)
-    config_lib.dump(config, run_directory / "config.yaml")
-    run_logger.text("config", config_lib.to_yaml(config), start_step + 1)
-    return run_logger
 
 
 # ----------------------------------------------------------------------------- per step

@@ -116,9 +116,9 @@ import tasks
 from evaluate import run_evaluation
 from logprobs import answer_batch, answer_log_probs
 from optimizer import new_adamw
-from run_logging import RunLogger, log_to_console, progress_bar
-from runtime import (RunStopped, StopRequest, exit_on_interrupt, load_policy, name_run, restore_trainer_state,
-                     save_checkpoint, set_up_process, step_indices)
+from run_logging import log_to_console, progress_bar
+from runtime import load_policy, step_indices
+from training_run import RunStopped, TrainingRun, exit_on_interrupt
 from tokenizer import Tokenizer
 
 logger = logging.getLogger("train_sft")
@@ -235,85 +235,58 @@ def train_sft(config: SFTConfig, resume: str | None = None, overwrite: bool = Fa
     Every checkpoint.interval steps, and when stopped by Ctrl-C or SIGTERM, the run writes a checkpoint to
     <checkpoint.dir>/<run_name>/step_NNNNNN; `resume` (one, or its run directory) continues from it exactly.
     """
-    device = set_up_process(config.device, config.cpu_threads, config.seed)
-    checkpoint_dir = checkpoint.find(resume) if resume else None
-    if checkpoint_dir:
-        checkpoint.check_own_state(checkpoint_dir, config, resume)
-    name_run(config, resume, prefix="sft-")
-    run_directory = Path(config.checkpoint.dir) / config.run_name
-    check_output_outside(config.output_dir, run_directory)
-    run_claim = checkpoint.claim_run(run_directory, Path(config.logging.log_dir) / config.run_name,
-                                     bool(checkpoint_dir), overwrite) if distributed.is_main_process() else None
-    with checkpoint.released_on_error(run_claim):  # refused while loading: no lock or empty directory is left
-        model_dir = checkpoint_dir or Path(config.model.dir)  # a checkpoint is a complete model directory
-        tokenizer = Tokenizer(model_dir)  # the data before the model: a data error comes before minutes of loading
+    run = TrainingRun(config, resume, script="train_sft.py", run_name_prefix="sft-",  # as train.py's run
+                      checkpoint_last_step=False)  # the last step goes to output_dir
+    check_output_outside(config.output_dir, run.directory)
+    run.claim(overwrite)
+    with run.loading():
+        tokenizer = Tokenizer(run.model_dir)  # the data before the model: a data error comes before minutes of loading
         train_examples, eval_examples = load_examples(config, tokenizer)
         eval_set = task_eval_set(config, tokenizer) if answers_task_questions(config) else None
-        model, policy = load_policy(config.model, model_dir, device, config.distributed.fsdp)
-    optim = config.optim
-    optimizer = new_adamw(model.parameters(), optim)
-    optimizer_step = distributed.OptimizerStep(policy, optimizer, optim.max_grad_norm)
-    state = restore_trainer_state(checkpoint_dir, model, optimizer) if checkpoint_dir else {"step": 0, "metrics": {}}
-    start_step, metrics = state["step"], state["metrics"]
-    is_main = distributed.is_main_process()
-    run_logger = RunLogger(config.logging, config.run_name, config_lib.to_dict(config), start_step) if is_main else None
-    logger.info("SFT %s on %s: %d train / %d held-out pairs, logs in %s", config.run_name, device,
-                len(train_examples), len(eval_examples), Path(config.logging.log_dir) / config.run_name)
+        model, policy = load_policy(config.model, run.model_dir, run.device, config.distributed.fsdp)
+        optimizer = new_adamw(model.parameters(), config.optim)
+        optimizer_step = distributed.OptimizerStep(policy, optimizer, config.optim.max_grad_norm)
+        metrics = run.restore(model, optimizer).get("metrics", {})
+    run_logger = run.open_logger()  # rank 0 only
+    logger.info("SFT %s on %s: %d train / %d held-out pairs, logs in %s", config.run_name, run.device,
+                len(train_examples), len(eval_examples), run.log_directory)
 
     evaluation = functools.partial(evaluate_sft, model, tokenizer, eval_examples=eval_examples, eval_set=eval_set,
                                    config=config, run_logger=run_logger)
-    if config.eval.interval and start_step == 0:
+    if config.eval.interval and run.start_step == 0:
         metrics = evaluation(step=0)
-    steps_run, stopping = start_step, False
-    with StopRequest() as stop:  # Ctrl-C or SIGTERM: the current step ends, is saved, and the run stops
-        # Counted by hand, once a step is done: a stop saves that step, and the last line names it.
-        bar = progress_bar(desc="sft", total=optim.num_steps, initial=start_step, unit="step",
-                           enabled=config.progress and is_main)
-        for step in range(start_step, optim.num_steps):
-            if reached_target(metrics, optim):
-                logger.info("held-out success %.3f >= optim.stop_at_success %g after %d steps: stopping",
-                            metrics["eval/success_rate"], optim.stop_at_success, step)
-                break
-            step_metrics = sft_step(policy, optimizer_step, train_examples, step=step, config=config,
-                                    pad_token_id=tokenizer.pad_token_id)
-            steps_run = step + 1
-            bar.update()
-            if run_logger:
-                run_logger.scalars(step_metrics, steps_run)
-            bar.set_postfix(loss=f"{step_metrics['train/loss']:.3f}", grad=f"{step_metrics['train/grad_norm']:.3f}",
+    optim = config.optim
+    for step in run.steps(optim.num_steps, desc="sft"):
+        if reached_target(metrics, optim):
+            break
+        step_metrics = sft_step(policy, optimizer_step, train_examples, step=step, config=config,
+                                pad_token_id=tokenizer.pad_token_id)
+        if run_logger:
+            run_logger.scalars(step_metrics, step)
+        run.bar.set_postfix(loss=f"{step_metrics['train/loss']:.3f}", grad=f"{step_metrics['train/grad_norm']:.3f}",
                             lr=f"{step_metrics['train/learning_rate']:.2e}")
-            if config.eval.interval and (steps_run % config.eval.interval == 0 or steps_run == optim.num_steps):
-                metrics = evaluation(step=steps_run)
-            stopping = stop.requested() and steps_run < optim.num_steps and not reached_target(metrics, optim)
-            if stopping or (config.checkpoint.interval and steps_run % config.checkpoint.interval == 0
-                            and steps_run < optim.num_steps):  # the last step goes to output_dir
-                save_checkpoint(config, steps_run, model, optimizer, model_dir=model_dir, resumable=stopping,
-                                extra_state={"metrics": metrics})
-            if stopping:
-                break
-        bar.close()
-    if not stopping:
+        if config.eval.interval and (step % config.eval.interval == 0 or step == optim.num_steps):
+            metrics = evaluation(step=step)
+        run.end_step(step, model, optimizer, extra_state={"metrics": metrics}, done=reached_target(metrics, optim))
+    if reached_target(metrics, optim):
+        logger.info("held-out success %.3f >= optim.stop_at_success %g after %d steps: stopping",
+                    metrics["eval/success_rate"], optim.stop_at_success, run.last_step)
+    if not run.stopping:
         savable = distributed.savable_model(model)  # every rank takes part: FSDP gathers the shards
-        if is_main:
-            saved = checkpoint.save(config.output_dir, savable, model_dir, run_config=config)
+        if distributed.is_main_process():
+            saved = checkpoint.save(config.output_dir, savable, run.model_dir, run_config=config)
             logger.info("saved the fine-tuned model to %s", saved)
-            checkpoint.mark_finished(run_directory)
-    if run_logger:
-        run_logger.close()
-        run_claim.release()
-    distributed.barrier()  # no rank goes on (and may read it) before the model is complete
-    if stopping:
-        raise RunStopped("train_sft.py", stop.signal, steps_run, run_directory)
-    return {**metrics, "steps": steps_run}
+    run.finish()
+    return {**metrics, "steps": run.last_step}
 
 
 def sft_step(policy, optimizer_step, train_examples, *, step: int, config: SFTConfig,
              pad_token_id: int) -> dict[str, float]:
-    """One optimizer step (0-based `step`) on its batch of training pairs; returns its train/* metrics."""
+    """Optimizer step `step` (1, 2, ...) on its batch of training pairs; returns its train/* metrics."""
     start = time.perf_counter()
     optim = config.optim
     policy.train()
-    indices = step_indices(step, optim.batch_size, len(train_examples), config.seed)
+    indices = step_indices(step - 1, optim.batch_size, len(train_examples), config.seed)
     batch = [train_examples[indices[i]] for i in distributed.shard_range(optim.batch_size)]
     batch.sort(key=lambda example: len(example[0]))  # similar lengths per micro-batch: less padding
     # Divided by the step's token count over all ranks, so the summed gradients are the single-process ones.
@@ -330,7 +303,7 @@ def sft_step(policy, optimizer_step, train_examples, *, step: int, config: SFTCo
     total_nll = distributed.global_sum(total_nll.item())
     optimizer = optimizer_step.optimizer
     for group in optimizer.param_groups:
-        group["lr"] = learning_rate(step, optim)
+        group["lr"] = learning_rate(step - 1, optim)
     grad_norm = optimizer_step()
     return {"train/loss": total_nll / num_tokens, "train/grad_norm": grad_norm,
             "train/learning_rate": optimizer.param_groups[0]["lr"],

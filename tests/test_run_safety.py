@@ -20,9 +20,9 @@ import checkpoint
 import config as config_lib
 import countdown_task
 import evaluate
-import runtime
 import train
 import train_sft
+import training_run
 from test_train import countdown_dir, tiny_config  # noqa: F401 (fixture)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -327,7 +327,7 @@ def test_a_first_signal_waits_for_the_step_a_second_stops_at_once(capsys):
     # Python's own Ctrl-C handler, as in a terminal (a shell starts background jobs with SIGINT ignored).
     outer = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        with runtime.StopRequest() as stop:
+        with training_run.StopRequest() as stop:
             assert not stop.requested()
             os.kill(os.getpid(), signal.SIGINT)  # noted: the loop finishes its step, saves it, then stops
             assert stop.requested() and stop.signal == signal.SIGINT
@@ -335,24 +335,24 @@ def test_a_first_signal_waits_for_the_step_a_second_stops_at_once(capsys):
                 os.kill(os.getpid(), signal.SIGINT)  # the user insists: Python's own handler, at once
         assert signal.getsignal(signal.SIGTERM) != stop.handle  # the handlers are put back
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        with runtime.StopRequest():
+        with training_run.StopRequest():
             assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN  # ignored (a background job): stays so
     finally:
         signal.signal(signal.SIGINT, outer)
     with pytest.raises(SystemExit) as exit_info:
-        runtime.exit_on_interrupt(KeyboardInterrupt())
+        training_run.exit_on_interrupt(KeyboardInterrupt())
     assert exit_info.value.code == 130
     assert capsys.readouterr().err == ("interrupted: stopped at once, without saving; --resume continues from the last "
                                        "checkpoint, if any\n")
 
 
 def test_an_inherited_ignored_sigint_is_said_once_with_what_still_stops_the_run(caplog, monkeypatch):
-    monkeypatch.setattr(runtime.StopRequest, "warned_sigint_ignored", False)
+    monkeypatch.setattr(training_run.StopRequest, "warned_sigint_ignored", False)
     outer = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as `cmd &` in a script starts it
     try:
-        with caplog.at_level(logging.WARNING, logger="runtime"):
+        with caplog.at_level(logging.WARNING, logger="training_run"):
             for _ in range(2):  # train.py's warm-up, then GRPO: one warning
-                with runtime.StopRequest():
+                with training_run.StopRequest():
                     pass
     finally:
         signal.signal(signal.SIGINT, outer)
@@ -406,7 +406,7 @@ import distributed, run_logging, train, train_sft
 run_logging.PROGRESS_LINE_SECONDS = 0.0  # a progress line at every step
 real_sft_step = train_sft.sft_step
 def sft_step(*args, step, **kwargs):
-    if step == 2:
+    if step == 3:
         os.kill(os.getpid(), signal.SIGTERM)  # during the warm-up's third step
     return real_sft_step(*args, step=step, **kwargs)
 train_sft.sft_step = sft_step

@@ -163,7 +163,8 @@ def test_checkpoint_then_resume_equals_an_uninterrupted_run(tmp_path, tiny_model
     overrides = ["optim.num_steps=6", "eval.interval=2", "checkpoint.interval=3", "optim.warmup_steps=2"]
     whole = train_sft.train_sft(sft_config(tmp_path, tiny_model_dir, countdown_with_solutions, *overrides))
     run = tmp_path / "checkpoints" / "sft"
-    assert sorted(path.name for path in run.iterdir()) == ["finished", "step_000003"]  # the last step went to output_dir
+    # The last step went to output_dir.
+    assert sorted(path.name for path in run.iterdir()) == ["config.yaml", "finished", "step_000003"]
     resumed = train_sft.train_sft(sft_config(tmp_path, tiny_model_dir, countdown_with_solutions, *overrides,
                                              f"output_dir={tmp_path / 'resumed'}"), resume=str(run / "step_000003"))
     assert resumed == whole

@@ -1,0 +1,108 @@
+"""GRPO and SFT live one run life (training_run.py): the same calls in the same order, the same step numbers,
+the same checkpoints when stopped, and the same way back after a crash before the first checkpoint."""
+
+import ast
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import config as config_lib
+import train
+import train_sft
+import training_run
+from test_train import countdown_dir, digit_reward, tiny_config  # noqa: F401 (fixtures)
+from test_train_sft import countdown_with_solutions, sft_config  # noqa: F401 (fixture)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+LIFE = ["TrainingRun", "claim", "loading", "restore", "open_logger", "steps", "end_step", "finish"]
+# What only training_run.py may call: a trainer that did would live a run life of its own.
+LIFE_PARTS = {"claim_run", "released_on_error", "StopRequest", "save_checkpoint", "restore_trainer_state",
+              "set_up_process", "mark_finished", "RunLogger", "find", "continue_in_resumed_run"}
+
+
+def calls_in_order(source: Path, function: str) -> list[str]:
+    tree = ast.parse(source.read_text())
+    [body] = [node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == function]
+    calls = sorted((node for node in ast.walk(body) if isinstance(node, ast.Call)),
+                   key=lambda node: (node.lineno, node.col_offset))
+    return [node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "") for node in calls]
+
+
+@pytest.mark.parametrize("script, function", [("train.py", "train"), ("train_sft.py", "train_sft")])
+def test_both_trainers_make_the_same_calls_in_the_same_order(script, function):
+    calls = calls_in_order(REPO_ROOT / script, function)
+    assert [call for call in calls if call in LIFE] == LIFE
+    assert not LIFE_PARTS & set(calls)
+
+
+def stop_after(step_to_stop: int, monkeypatch):
+    """A SIGTERM as the run asks after step `step_to_stop` (what StopRequest.handle would have recorded)."""
+    asked = iter(range(1, 10_000))
+
+    def requested(self):
+        if next(asked) == step_to_stop:
+            self.signal = signal.SIGTERM
+        return self.signal is not None
+
+    monkeypatch.setattr(training_run.StopRequest, "requested", requested)
+
+
+def stopped_run(trainer, monkeypatch) -> training_run.RunStopped:
+    stop_after(3, monkeypatch)
+    with pytest.raises(training_run.RunStopped) as stopped:
+        trainer()
+    return stopped.value
+
+
+def test_a_stop_ends_both_trainers_after_the_same_step_with_the_same_checkpoints(
+        tmp_path, monkeypatch, tiny_model_dir, countdown_dir, countdown_with_solutions, digit_reward):
+    overrides = ("optim.num_steps=6", "checkpoint.interval=2", "eval.interval=0")
+    grpo_config = tiny_config(tmp_path / "grpo", tiny_model_dir, countdown_dir, *overrides)
+    sft = sft_config(tmp_path / "sft", tiny_model_dir, countdown_with_solutions, *overrides)
+    grpo_stop = stopped_run(lambda: train.train(grpo_config), monkeypatch)
+    sft_stop = stopped_run(lambda: train_sft.train_sft(sft), monkeypatch)
+    for stop, run_dir, log_dir, script in ((grpo_stop, tmp_path / "grpo/checkpoints/tiny", tmp_path / "grpo/logs/tiny",
+                                            "train.py"),
+                                           (sft_stop, tmp_path / "sft/checkpoints/sft", tmp_path / "sft/logs/sft",
+                                            "train_sft.py")):
+        assert str(stop) == (f"stopped by SIGTERM after step 3, saved in {run_dir}/step_000003; continue with: "
+                             f"uv run {script} --resume {run_dir}")
+        assert sorted(path.name for path in run_dir.iterdir()) == ["config.yaml", "step_000002", "step_000003"]
+        events = EventAccumulator(str(log_dir)).Reload()
+        assert [event.step for event in events.Scalars("train/learning_rate")] == [1, 2, 3]
+    assert not (tmp_path / "sft" / "sft-out").exists()  # a stopped warm-up has no result yet
+
+
+KILLED_AT_STEP_2 = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+import train_sft
+real_sft_step = train_sft.sft_step
+def sft_step(*args, step, **kwargs):
+    if step == 2:
+        os.kill(os.getpid(), signal.SIGKILL)  # no handler, nothing saved
+    return real_sft_step(*args, step=step, **kwargs)
+train_sft.sft_step = sft_step
+train_sft.main(sys.argv[1:])
+"""
+
+
+def test_an_sft_run_killed_before_its_first_checkpoint_starts_over_from_its_own_config(
+        tmp_path, tiny_model_dir, countdown_with_solutions):
+    """As a GRPO run: the run directory keeps the config, so --resume RUN_DIR needs nothing else."""
+    config = sft_config(tmp_path, tiny_model_dir, countdown_with_solutions, "optim.num_steps=4", "eval.interval=0",
+                        "checkpoint.interval=0", "cpu_threads=1")
+    config_lib.dump(config, tmp_path / "sft.yaml")
+    killed = subprocess.run([sys.executable, "-c", KILLED_AT_STEP_2.format(root=str(REPO_ROOT)), "--config",
+                             str(tmp_path / "sft.yaml")], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    run_dir = tmp_path / "checkpoints" / "sft"
+    assert sorted(path.name for path in run_dir.iterdir() if not path.name.startswith(".")) == ["config.yaml"]
+    args, resumed = train_sft.read_command_line(["--resume", str(run_dir)])
+    assert resumed == config
+    assert train_sft.train_sft(resumed, resume=args.resume)["steps"] == 4
+    assert (tmp_path / "sft-out" / "model.safetensors").is_file()
