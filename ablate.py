@@ -129,9 +129,10 @@ def run_experiment(experiment: Experiment) -> dict:
     if config.eval.interval and config.optim.num_steps % config.eval.interval:
         logger.warning("%s: optim.num_steps is not a multiple of eval.interval, so the final evaluation is at step %d",
                        experiment.name, config.optim.num_steps // config.eval.interval * config.eval.interval)
+    plan = train.plan_run(config)  # every input checked, Hub ids fetched
     prepare_missing_inputs(config.bootstrap, config.task, config.model)  # not part of the timed run
     start = time.perf_counter()
-    train.train(config)
+    train.train_from(plan)
     return {**read_run_metrics(log_dir), "wall_seconds": time.perf_counter() - start}
 
 

@@ -32,8 +32,8 @@ def prepare_missing_inputs(config: BootstrapConfig, task: TaskConfig, model: Mod
     """Generate task.data_dir, then build the base model and SFT it into model.dir, where missing and
     named by the bootstrap section; `model` None: no model needed (resuming from a checkpoint).
     max_prompt_len (rollout.max_prompt_len) is checked against the base model's tokenizer before any data
-    is generated or the warm-up runs, so a prompt limit nothing fits costs a second, not the warm-up."""
-    inputs.check_model_and_data(task, model, bootstrap=config)
+    is generated or the warm-up runs, so a prompt limit nothing fits costs a second, not the warm-up.
+    The run's own inputs were checked by its plan (train.plan_run), which also says what is missing."""
     import countdown_task
     import tiny_model
     from training_run import RunStopped

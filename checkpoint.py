@@ -27,6 +27,7 @@ import shutil
 import socket
 from datetime import datetime
 from pathlib import Path
+from typing import NamedTuple
 
 import config as config_lib
 
@@ -323,8 +324,8 @@ def check_trainer(stored_config: Path, trainer: str, given: str) -> None:
 
 
 def check_own_state(checkpoint_dir: Path, config, given: str) -> None:
-    """Refuse to continue the checkpoint (from --resume `given`) with a config that makes another run."""
-    check_trainer(checkpoint_dir / RUN_CONFIG, run_identity(config_lib.to_dict(config))["trainer"], given)
+    """Refuse to continue the checkpoint (from --resume `given`) with a config that makes another run (the
+    trainer included: the command line has named the right script already, by check_trainer)."""
     stored = checkpoint_dir / RUN_CONFIG
     if not stored.is_file():
         return
@@ -368,6 +369,26 @@ def continue_in_resumed_run(config, resume: str | None) -> None:
         config.run_name, config.checkpoint.dir = run_dir.name, str(run_dir.parent)
 
 
+class RunPlan(NamedTuple):
+    """What one start of train.py or train_sft.py does, decided once before torch loads (their plan_run) and
+    then only read: nothing checks it again, and nothing edits the config after it."""
+
+    config: object  # validated; in the resumed run's directory; Hub ids resolved to their snapshots; named
+    resume: str | None  # --resume as given
+    checkpoint_dir: Path | None  # what it continues from (None: a new run, or one stopped before its first)
+    overwrite: bool
+    lengths_checked: bool  # against the model's max_position_embeddings (False: the model is built first)
+
+
+def plan_resume(config, resume: str | None, checkpoint_dir: Path | None, run_name_prefix: str = "") -> None:
+    """The part of a plan both trainers share: a resumed run goes on in its directory and only from its own
+    state; a new run without a run_name is named after the time (the ranks of torchrun agree on rank 0's)."""
+    continue_in_resumed_run(config, resume)
+    if checkpoint_dir:
+        check_own_state(checkpoint_dir, config, resume)
+    config.run_name = config.run_name or run_name_prefix + datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
 def latest_resumable(run_dir) -> Path | None:
     """The run directory's latest checkpoint that can be resumed (one with its trainer state); None if none."""
     candidates = sorted(Path(run_dir).glob(f"{STEP_GLOB}/{TRAINER_STATE}"))
@@ -376,7 +397,10 @@ def latest_resumable(run_dir) -> Path | None:
 
 def find(path) -> Path | None:
     """The checkpoint --resume `path` continues from: `path` itself, or the latest resumable checkpoint in
-    the run directory `path`; None for a run that stopped before its first checkpoint (it starts over)."""
+    the run directory `path`; None for a run that stopped before its first checkpoint (it starts over), and
+    without --resume (`path` None)."""
+    if path is None:
+        return None
     path = Path(path)
     if (path / TRAINER_STATE).is_file():
         return path

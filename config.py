@@ -55,20 +55,20 @@ def exit_on_input_error(error: InputError) -> typing.NoReturn:
     raise SystemExit(2)
 
 
-def check_command_line(module_name: str, read_command_line: Callable[[list[str] | None], object]) -> None:
+def check_command_line(module_name: str, read_command_line: Callable[[list[str] | None], object]) -> object:
     """When the entry point runs as a script (`module_name` is its `__name__`, "__main__"), read and validate
-    its command line (arguments, config files, --set), exiting on --help, a usage error or an input error;
-    else, or when it is imported (tests, ablate.py), do nothing.
+    its command line (arguments, config files, --set) and return what `read_command_line` returns, exiting on
+    --help, a usage error or an input error; else, or when it is imported (tests, ablate.py), return None.
 
     Entry points call it at the top of the file, before their heavy imports: torch alone takes seconds
     to load, and --help or a config error should not wait for it. `read_command_line` imports nothing
-    heavy; the file's one `if __name__ == "__main__":` block, at its end, runs main(), which calls it again
-    (milliseconds) and goes on to the work.
+    heavy; the file's one `if __name__ == "__main__":` block, at its end, runs main(), which goes on with
+    what this returned (a main() given its own arguments reads them itself).
     """
     if module_name != "__main__":
-        return
+        return None
     try:
-        read_command_line(None)
+        return read_command_line(None)
     except InputError as error:
         exit_on_input_error(error)
 

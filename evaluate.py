@@ -123,7 +123,8 @@ def read_command_line(argv: list[str] | None = None) -> tuple[argparse.Namespace
     return args, config
 
 
-config_lib.check_command_line(__name__, read_command_line)  # as a script: --help, bad input answered before torch
+# As a script: --help and bad input answered before torch loads; main() goes on with what was read.
+COMMAND_LINE = config_lib.check_command_line(__name__, read_command_line)
 
 import torch
 
@@ -242,7 +243,7 @@ def summarize(samples: list[dict], num_samples: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> None:
     log_to_console()
     try:
-        args, config = read_command_line(argv)
+        args, config = COMMAND_LINE if argv is None and COMMAND_LINE else read_command_line(argv)
         run(config, args.split, args.out)
     except config_lib.InputError as error:
         config_lib.exit_on_input_error(error)

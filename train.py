@@ -33,39 +33,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def read_command_line(argv: list[str] | None = None) -> tuple[argparse.Namespace, TrainConfig]:
-    """The arguments and the validated config, after checking every input that can be checked before torch loads."""
+def read_command_line(argv: list[str] | None = None) -> checkpoint.RunPlan:
+    """The run's plan, from the arguments and the config, every input checked that can be before torch loads."""
     args = parse_args(argv)
     if args.resume and args.overwrite:
         raise config_lib.ConfigError("--overwrite starts a run over, --resume continues one: pass only one")
-    checkpoint_dir = checkpoint.find(args.resume) if args.resume else None
+    checkpoint_dir = checkpoint.find(args.resume)
     # A run that stopped before its first checkpoint has only its run directory's config.yaml: it starts over.
     stored_config = args.resume and (checkpoint_dir or Path(args.resume)) / checkpoint.RUN_CONFIG
     if stored_config:
         checkpoint.check_trainer(stored_config, "grpo", args.resume)
     config = config_lib.load(TrainConfig, args.config or [stored_config or "config.yaml"], args.set)
-    checkpoint.continue_in_resumed_run(config, args.resume)
-    if checkpoint_dir:
-        checkpoint.check_own_state(checkpoint_dir, config, args.resume)
-    check_inputs(config, checkpoint_dir)
-    return args, config
+    return plan_run(config, args.resume, args.overwrite, checkpoint_dir)
 
 
-def check_inputs(config: TrainConfig, checkpoint_dir: Path | None) -> None:
+def plan_run(config: TrainConfig, resume: str | None = None, overwrite: bool = False,
+             checkpoint_dir: Path | None = None) -> checkpoint.RunPlan:
+    """The one plan of a start (checkpoint.RunPlan), from the command line or from train(config, ...)."""
+    checkpoint.plan_resume(config, resume, checkpoint_dir)
+    return checkpoint.RunPlan(config, resume, checkpoint_dir, overwrite, check_inputs(config, checkpoint_dir))
+
+
+def check_inputs(config: TrainConfig, checkpoint_dir: Path | None) -> bool:
     """Model, data, the directories the run writes and the lengths the model allows, checked before torch loads:
-    a mistake is answered at once and creates nothing. (What the bootstrap builds is checked as it loads.)"""
+    a mistake is answered at once and creates nothing. Returns whether the lengths could be checked (a model the
+    bootstrap builds is checked as it loads)."""
     inputs.check_model_and_data(config.task, None if checkpoint_dir else config.model, bootstrap=config.bootstrap)
     model_dir = Path(checkpoint_dir or config.model.dir)  # resuming, the checkpoint is the model
     if not model_dir.exists():  # check_model_and_data: the bootstrap builds it; its warm-up's config, now
         config_lib.warm_up_config(config.bootstrap, config.task, config.model.dir)
-    hf_config = inputs.read_hf_config(model_dir) if model_dir.is_dir() else {}  # not yet built: checked as it loads
+    hf_config = inputs.read_hf_config(model_dir) if model_dir.is_dir() else {}
     if "max_position_embeddings" in hf_config:
         config.validate_for_model(hf_config["max_position_embeddings"])
     for key, directory in (("checkpoint.dir", config.checkpoint.dir), ("logging.log_dir", config.logging.log_dir)):
-        inputs.check_writable(key, Path(directory) / (config.run_name or ""))  # no name yet: a new directory in it
+        inputs.check_writable(key, Path(directory) / config.run_name)
+    return "max_position_embeddings" in hf_config
 
 
-config_lib.check_command_line(__name__, read_command_line)  # as a script: --help, bad input answered before torch
+# As a script: --help and bad input answered before torch loads; main() goes on with this plan.
+COMMAND_LINE = config_lib.check_command_line(__name__, read_command_line)
 
 import torch
 
@@ -145,20 +151,27 @@ def format_episode(episode: Episode) -> str:
 
 
 def train(config: TrainConfig, resume: str | None = None, overwrite: bool = False) -> dict:
-    """Run GRPO as configured; returns the last evaluation's metrics (empty if none ran)."""
-    run = TrainingRun(config, resume, script="train.py")  # training_run.py: the life of a run, as train_sft.py's
-    base_model = None if run.checkpoint_dir else config.model  # resuming, the checkpoint is the model
-    inputs.check_model_and_data(config.task, base_model, bootstrap=config.bootstrap)  # Hub ids fetched
-    run.claim(overwrite)
+    """Run GRPO as configured, its inputs checked first as on the command line; returns the last evaluation's
+    metrics (empty if none ran)."""
+    return train_from(plan_run(config, resume, overwrite, checkpoint.find(resume)))
+
+
+def train_from(plan: checkpoint.RunPlan) -> dict:
+    """Run GRPO as planned (plan_run); returns the last evaluation's metrics (empty if none ran)."""
+    config = plan.config
+    run = TrainingRun(plan, script="train.py")  # training_run.py: the life of a run, as train_sft.py's
+    run.claim()
     with run.loading():
         if distributed.world_size() == 1:  # ranks would race to write the same files: bootstrap single-process
+            base_model = None if run.checkpoint_dir else config.model  # resuming, the checkpoint is the model
             bootstrap.prepare_missing_inputs(config.bootstrap, config.task, base_model, config.rollout.max_prompt_len)
         tokenizer = Tokenizer(run.model_dir)
         train_set, test_set = (tasks.load_dataset(config.task, tokenizer, split) for split in ("train", "test"))
         check_prompts_fit(train_set, config.rollout.max_prompt_len)
         reward = tasks.get(config.task).reward
         model, policy = load_policy(config.model, run.model_dir, run.device, config.distributed.fsdp)
-        config.validate_for_model(model.config.max_position_embeddings)
+        if not plan.lengths_checked:  # a model the bootstrap just built
+            config.validate_for_model(model.config.max_position_embeddings)
         reference_model = None
         if config.loss.kl_beta:  # the KL anchor: the initial policy (model.dir, also on resume), frozen, same dtype
             reference_model = load_model(config.model, run.device).requires_grad_(False).eval()
@@ -291,8 +304,7 @@ def warn_no_reward(config: TrainConfig, steps: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     log_to_console(logging.INFO if distributed.is_main_process() else logging.WARNING)
     try:
-        args, config = read_command_line(argv)
-        train(config, resume=args.resume, overwrite=args.overwrite)
+        train_from(COMMAND_LINE if argv is None and COMMAND_LINE else read_command_line(argv))
     except config_lib.InputError as error:  # config, data, run directory or checkpoint: one line, exit code 2
         config_lib.exit_on_input_error(error)
     except (RunStopped, KeyboardInterrupt) as stop:  # Ctrl-C or SIGTERM: one line, exit code 128 + signal

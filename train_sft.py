@@ -31,8 +31,8 @@ from config import SFTConfig, SFTOptimConfig
 # Read and validated before the imports below load torch (seconds): --help and a config error answer at once.
 
 
-def read_command_line(argv: list[str] | None = None) -> tuple[argparse.Namespace, SFTConfig]:
-    """The arguments and the validated config, after checking every input that can be checked before torch loads."""
+def read_command_line(argv: list[str] | None = None) -> checkpoint.RunPlan:
+    """The run's plan, from the arguments and the config, every input checked that can be before torch loads."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", action="append", help="YAML config; repeat to merge several in order "
                         "(default with --resume: the checkpoint's config.yaml)")
@@ -47,16 +47,21 @@ def read_command_line(argv: list[str] | None = None) -> tuple[argparse.Namespace
         parser.error("pass --config FILE (or --resume a run's checkpoint)")
     if args.resume and args.overwrite:
         raise config_lib.ConfigError("--overwrite starts a run over, --resume continues one: pass only one")
-    checkpoint_dir = checkpoint.find(args.resume) if args.resume else None
+    checkpoint_dir = checkpoint.find(args.resume)
     stored_config = args.resume and (checkpoint_dir or Path(args.resume)) / checkpoint.RUN_CONFIG
     if stored_config:
         checkpoint.check_trainer(stored_config, "sft", args.resume)
     config = config_lib.load(SFTConfig, args.config or [stored_config], args.set)
-    checkpoint.continue_in_resumed_run(config, args.resume)
-    if checkpoint_dir:
-        checkpoint.check_own_state(checkpoint_dir, config, args.resume)
+    return plan_run(config, args.resume, args.overwrite, checkpoint_dir)
+
+
+def plan_run(config: SFTConfig, resume: str | None = None, overwrite: bool = False,
+             checkpoint_dir: Path | None = None) -> checkpoint.RunPlan:
+    """The one plan of a start (checkpoint.RunPlan), from the command line or from train_sft(config, ...)."""
+    checkpoint.plan_resume(config, resume, checkpoint_dir, run_name_prefix="sft-")
     check_inputs(config, resuming=checkpoint_dir is not None)
-    return args, config
+    check_output_outside(config.output_dir, Path(config.checkpoint.dir) / config.run_name)
+    return checkpoint.RunPlan(config, resume, checkpoint_dir, overwrite, lengths_checked=False)
 
 
 def check_inputs(config: SFTConfig, resuming: bool = False) -> None:
@@ -74,7 +79,16 @@ def check_inputs(config: SFTConfig, resuming: bool = False) -> None:
                 read_pairs(getattr(config.data, key))
     inputs.check_writable("output_dir", config.output_dir)
     for key, directory in (("checkpoint.dir", config.checkpoint.dir), ("logging.log_dir", config.logging.log_dir)):
-        inputs.check_writable(key, Path(directory) / (config.run_name or ""))  # no name yet: a new directory in it
+        inputs.check_writable(key, Path(directory) / config.run_name)
+
+
+def check_output_outside(output_dir: str, run_directory: Path) -> None:
+    """The fine-tuned model replaces output_dir as a whole: the run's checkpoints must not be inside it."""
+    output, run = Path(output_dir).resolve(), run_directory.resolve()
+    if output == run or output in run.parents:
+        raise config_lib.ConfigError(f"output_dir: must not hold the run's checkpoint directory {run_directory} "
+                                     f"(checkpoint.dir/run_name); change output_dir, checkpoint.dir or run_name, "
+                                     f"got {output_dir!r}")
 
 
 def answers_task_questions(config: SFTConfig) -> bool:
@@ -107,7 +121,8 @@ def read_pairs(path) -> list[dict]:
     return pairs
 
 
-config_lib.check_command_line(__name__, read_command_line)  # as a script: --help, bad input answered before torch
+# As a script: --help and bad input answered before torch loads; main() goes on with this plan.
+COMMAND_LINE = config_lib.check_command_line(__name__, read_command_line)
 
 import torch
 
@@ -230,15 +245,21 @@ def reached_target(metrics: dict, config: SFTOptimConfig) -> bool:
 
 
 def train_sft(config: SFTConfig, resume: str | None = None, overwrite: bool = False) -> dict:
-    """Fine-tune config.model.dir into config.output_dir; returns the last evaluation's metrics and the steps run.
+    """Fine-tune config.model.dir into config.output_dir, its inputs checked first as on the command line;
+    returns the last evaluation's metrics and the steps run.
 
     Every checkpoint.interval steps, and when stopped by Ctrl-C or SIGTERM, the run writes a checkpoint to
     <checkpoint.dir>/<run_name>/step_NNNNNN; `resume` (one, or its run directory) continues from it exactly.
     """
-    run = TrainingRun(config, resume, script="train_sft.py", run_name_prefix="sft-",  # as train.py's run
+    return train_sft_from(plan_run(config, resume, overwrite, checkpoint.find(resume)))
+
+
+def train_sft_from(plan: checkpoint.RunPlan) -> dict:
+    """Fine-tune as planned (plan_run); returns the last evaluation's metrics and the steps run."""
+    config = plan.config
+    run = TrainingRun(plan, script="train_sft.py",  # training_run.py: the life of a run, as train.py's
                       checkpoint_last_step=False)  # the last step goes to output_dir
-    check_output_outside(config.output_dir, run.directory)
-    run.claim(overwrite)
+    run.claim()
     with run.loading():
         tokenizer = Tokenizer(run.model_dir)  # the data before the model: a data error comes before minutes of loading
         train_examples, eval_examples = load_examples(config, tokenizer)
@@ -310,20 +331,10 @@ def sft_step(policy, optimizer_step, train_examples, *, step: int, config: SFTCo
             "train/tokens_per_second": num_tokens / (time.perf_counter() - start)}
 
 
-def check_output_outside(output_dir: str, run_directory: Path) -> None:
-    """The fine-tuned model replaces output_dir as a whole: the run's checkpoints must not be inside it."""
-    output, run = Path(output_dir).resolve(), run_directory.resolve()
-    if output == run or output in run.parents:
-        raise config_lib.ConfigError(f"output_dir: must not hold the run's checkpoint directory {run_directory} "
-                                     f"(checkpoint.dir/run_name); change output_dir, checkpoint.dir or run_name, "
-                                     f"got {output_dir!r}")
-
-
 def main(argv: list[str] | None = None) -> None:
     log_to_console(logging.INFO if distributed.is_main_process() else logging.WARNING)
     try:
-        args, config = read_command_line(argv)
-        train_sft(config, resume=args.resume, overwrite=args.overwrite)
+        train_sft_from(COMMAND_LINE if argv is None and COMMAND_LINE else read_command_line(argv))
     except config_lib.InputError as error:  # config or data: one line, exit code 2
         config_lib.exit_on_input_error(error)
     except (RunStopped, KeyboardInterrupt) as stop:  # Ctrl-C or SIGTERM: one line, exit code 128 + signal

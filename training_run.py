@@ -1,8 +1,7 @@
 """One training run's life, the same for train.py (GRPO) and train_sft.py, in this order:
 
-    run = TrainingRun(config, resume, script="train.py")  # process set up, checkpoint to resume found, run named
-    ...                                 # the trainer's own checks on its directories
-    run.claim(overwrite)                # rank 0 owns the run's checkpoint and log directories
+    run = TrainingRun(plan, script="train.py")  # the process set up; plan: train.plan_run, every input checked
+    run.claim()                         # rank 0 owns the run's checkpoint and log directories
     with run.loading():                 # a refusal here releases the claim: no lock or empty directory is left
         ...tokenizer, data, model, optimizer...
         run.restore(model, optimizer)   # resuming: optimizer and random states; run.start_step
@@ -21,7 +20,6 @@ import os
 import signal
 import sys
 import threading
-from datetime import datetime
 from pathlib import Path
 from typing import Iterator, NoReturn
 
@@ -40,21 +38,19 @@ logger = logging.getLogger("training_run")
 class TrainingRun:
     """See the module's docstring for the order of the calls.
 
-    script: the entry point, named in the command that resumes a stopped run. run_name_prefix: of a name from the
-    time. checkpoint_last_step: whether the last step is written as a checkpoint (GRPO); SFT writes its result
+    plan: the start's checkpoint.RunPlan. script: the entry point, named in the command that resumes a stopped
+    run. checkpoint_last_step: whether the last step is written as a checkpoint (GRPO); SFT writes its result
     to output_dir instead.
     """
 
-    def __init__(self, config: TrainConfig | SFTConfig, resume: str | None, *, script: str, run_name_prefix: str = "",
-                 checkpoint_last_step: bool = True):
-        self.config, self.script, self.checkpoint_last_step = config, script, checkpoint_last_step
+    def __init__(self, plan: checkpoint.RunPlan, *, script: str, checkpoint_last_step: bool = True):
+        config = plan.config
+        self.plan, self.config, self.script, self.checkpoint_last_step = plan, config, script, checkpoint_last_step
         self.device = set_up_process(config.device, config.cpu_threads, config.seed)
-        self.checkpoint_dir = checkpoint.find(resume) if resume else None  # None: a new run, or one with no step
-        if self.checkpoint_dir:
-            checkpoint.check_own_state(self.checkpoint_dir, config, resume)
-        # A resumed run goes on in the directory it was resumed from; a new one without a name is named after the time.
-        checkpoint.continue_in_resumed_run(config, resume)
-        config.run_name = config.run_name or agreed_run_name(run_name_prefix)
+        self.checkpoint_dir = plan.checkpoint_dir
+        self.model_dir = self.checkpoint_dir or Path(config.model.dir)  # a checkpoint is a complete model directory
+        # The ranks' plans each named a new run after their own clock: rank 0's name is the run's.
+        config.run_name = distributed.all_gather(config.run_name)[0]
         self.directory = Path(config.checkpoint.dir) / config.run_name
         self.log_directory = Path(config.logging.log_dir) / config.run_name
         self.run_claim: checkpoint.RunClaim | None = None
@@ -64,17 +60,11 @@ class TrainingRun:
         self.stopping = False
         self.progress = config.progress and distributed.is_main_process()
 
-    @property
-    def model_dir(self) -> Path:
-        """The model the run starts from: a checkpoint is a complete model directory; else model.dir (once its
-        Hub id, if any, is resolved to a snapshot)."""
-        return self.checkpoint_dir or Path(self.config.model.dir)
-
-    def claim(self, overwrite: bool) -> None:
+    def claim(self) -> None:
         """Rank 0 owns the run's directories (checkpoint.claim_run)."""
         if distributed.is_main_process():
             self.run_claim = checkpoint.claim_run(self.directory, self.log_directory, bool(self.checkpoint_dir),
-                                                  overwrite)
+                                                  self.plan.overwrite)
 
     def loading(self):
         """The block that loads the run: if it raises, the claim is released."""
@@ -141,11 +131,6 @@ class TrainingRun:
         distributed.barrier()  # no rank goes on (and may read what rank 0 wrote) before it is complete
         if self.stopping:
             raise RunStopped(self.script, self.stop_request.signal, self.last_step, self.directory)
-
-
-def agreed_run_name(prefix: str = "") -> str:
-    """A name from the time, the same on every rank: rank 0's clock decides it."""
-    return distributed.all_gather(prefix + datetime.now().strftime("%Y%m%d-%H%M%S"))[0]
 
 
 # ----------------------------------------------------------------------------- the trainer state of a checkpoint

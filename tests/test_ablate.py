@@ -52,16 +52,16 @@ def write_experiment(directory: Path, name: str, text: str) -> None:
 
 @pytest.fixture
 def train_calls(monkeypatch) -> list[tuple[str, dict]]:
-    """(run name, returned eval metrics) of every train.train() the suite makes."""
+    """(run name, returned eval metrics) of every run the suite makes (train.train_from)."""
     calls = []
-    real_train = train.train
+    real_train = train.train_from
 
-    def recording_train(config, resume=None):
-        metrics = real_train(config, resume)
-        calls.append((config.run_name, metrics))
+    def recording_train(plan):
+        metrics = real_train(plan)
+        calls.append((plan.config.run_name, metrics))
         return metrics
 
-    monkeypatch.setattr(train, "train", recording_train)
+    monkeypatch.setattr(train, "train_from", recording_train)
     return calls
 
 

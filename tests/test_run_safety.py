@@ -189,13 +189,13 @@ def test_bootstrap_builds_only_its_own_paths(tmp_path, tiny_model_dir, countdown
         f"task.data_dir={countdown_dir}", f"model.dir={tmp_path / 'modle'}"])  # a typo in model.dir
     with pytest.raises(bootstrap.MissingInputError, match=r"model.dir: model directory '.*modle' does not exist\. "
                                                           r"Give a Hub id .* git clone https://huggingface.co/Qwen/"):
-        bootstrap.prepare_missing_inputs(demo.bootstrap, demo.task, demo.model)
+        train.plan_run(demo)
     demo.model.dir, demo.task.name, demo.task.data_dir = str(tiny_model_dir), "gsm8k", str(tmp_path / "data")
     with pytest.raises(bootstrap.MissingInputError, match="task.data_dir: GSM8K directory .* does not exist"):
-        bootstrap.prepare_missing_inputs(demo.bootstrap, demo.task, demo.model)
+        train.plan_run(demo)
     demo.task.name, demo.task.data_dir = "countdown", str(tmp_path / "typo")
     with pytest.raises(bootstrap.MissingInputError, match="countdown_task.py generate --out .*typo"):
-        bootstrap.prepare_missing_inputs(demo.bootstrap, demo.task, demo.model)
+        train.plan_run(demo)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     with pytest.raises(config_lib.ConfigError, match="bootstrap.model_dir: must name the directory that sft_config"):
         config_lib.load(train.TrainConfig, "configs/cpu_demo.yaml", ["bootstrap.model_dir=null"])

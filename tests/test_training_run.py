@@ -2,6 +2,7 @@
 the same checkpoints when stopped, and the same way back after a crash before the first checkpoint."""
 
 import ast
+import json
 import signal
 import subprocess
 import sys
@@ -21,7 +22,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 LIFE = ["TrainingRun", "claim", "loading", "restore", "open_logger", "steps", "end_step", "finish"]
 # What only training_run.py may call: a trainer that did would live a run life of its own.
 LIFE_PARTS = {"claim_run", "released_on_error", "StopRequest", "save_checkpoint", "restore_trainer_state",
-              "set_up_process", "mark_finished", "RunLogger", "find", "continue_in_resumed_run"}
+              "set_up_process", "mark_finished", "RunLogger", "find", "continue_in_resumed_run", "check_own_state",
+              "check_model_and_data", "plan_resume"}
 
 
 def calls_in_order(source: Path, function: str) -> list[str]:
@@ -32,7 +34,7 @@ def calls_in_order(source: Path, function: str) -> list[str]:
     return [node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "") for node in calls]
 
 
-@pytest.mark.parametrize("script, function", [("train.py", "train"), ("train_sft.py", "train_sft")])
+@pytest.mark.parametrize("script, function", [("train.py", "train_from"), ("train_sft.py", "train_sft_from")])
 def test_both_trainers_make_the_same_calls_in_the_same_order(script, function):
     calls = calls_in_order(REPO_ROOT / script, function)
     assert [call for call in calls if call in LIFE] == LIFE
@@ -102,7 +104,63 @@ def test_an_sft_run_killed_before_its_first_checkpoint_starts_over_from_its_own_
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     run_dir = tmp_path / "checkpoints" / "sft"
     assert sorted(path.name for path in run_dir.iterdir() if not path.name.startswith(".")) == ["config.yaml"]
-    args, resumed = train_sft.read_command_line(["--resume", str(run_dir)])
-    assert resumed == config
-    assert train_sft.train_sft(resumed, resume=args.resume)["steps"] == 4
+    plan = train_sft.read_command_line(["--resume", str(run_dir)])
+    assert plan.config == config and plan.checkpoint_dir is None
+    assert train_sft.train_sft_from(plan)["steps"] == 4
     assert (tmp_path / "sft-out" / "model.safetensors").is_file()
+
+
+COUNTED = """
+import atexit, functools, json, runpy, sys
+sys.path.insert(0, {root!r})
+import checkpoint, config, inputs
+counts = {{}}
+def counted(owner, name):
+    real = getattr(owner, name)
+    @functools.wraps(real)
+    def wrapper(*args, **kwargs):
+        counts[name] = counts.get(name, 0) + 1
+        return real(*args, **kwargs)
+    setattr(owner, name, wrapper)
+for owner, name in [(checkpoint, "find"), (checkpoint, "check_trainer"), (checkpoint, "continue_in_resumed_run"),
+                    (checkpoint, "check_own_state"), (config, "load"), (inputs, "check_model_and_data"),
+                    (config.TrainConfig, "validate_for_model")]:
+    counted(owner, name)
+atexit.register(lambda: print("COUNTS", json.dumps(counts)))
+sys.argv = [{script!r}, *sys.argv[1:]]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def counts_of_a_start(script: str, *args) -> dict:
+    done = subprocess.run([sys.executable, "-c", COUNTED.format(root=str(REPO_ROOT), script=script), *args],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    [line] = [line for line in done.stdout.splitlines() if line.startswith("COUNTS ")]
+    return json.loads(line.removeprefix("COUNTS "))
+
+
+@pytest.mark.slow
+def test_each_check_runs_once_per_start_of_train_py(tmp_path, tiny_model_dir, countdown_dir):
+    """Read at the top of the script before torch loads, the plan is the one the run then uses: the config is read
+    and every input is checked once, for a new run and for a resume."""
+    config_path = tmp_path / "run.yaml"
+    config_lib.dump(tiny_config(tmp_path, tiny_model_dir, countdown_dir, "optim.num_steps=1", "eval.interval=0",
+                                "cpu_threads=1"), config_path)
+    once = {"load": 1, "check_model_and_data": 1, "find": 1, "continue_in_resumed_run": 1, "validate_for_model": 1}
+    assert counts_of_a_start("train.py", "--config", str(config_path)) == once
+    resumed = counts_of_a_start("train.py", "--resume", str(tmp_path / "checkpoints" / "tiny"), "--set",
+                                "optim.num_steps=2")
+    assert resumed == {**once, "check_trainer": 1, "check_own_state": 1}
+    assert (tmp_path / "checkpoints" / "tiny" / "step_000002").is_dir()
+
+
+@pytest.mark.slow
+def test_each_check_runs_once_per_start_of_train_sft_py(tmp_path, tiny_model_dir, countdown_with_solutions):
+    config_path = tmp_path / "sft.yaml"
+    config_lib.dump(sft_config(tmp_path, tiny_model_dir, countdown_with_solutions, "optim.num_steps=2",
+                               "eval.interval=0", "checkpoint.interval=1", "cpu_threads=1"), config_path)
+    once = {"load": 1, "check_model_and_data": 1, "find": 1, "continue_in_resumed_run": 1}
+    assert counts_of_a_start("train_sft.py", "--config", str(config_path)) == once
+    resumed = counts_of_a_start("train_sft.py", "--resume", str(tmp_path / "checkpoints" / "sft" / "step_000001"))
+    assert resumed == {**once, "check_trainer": 1, "check_own_state": 1}
