@@ -244,6 +244,42 @@ def recover_interrupted_saves(run_dir: Path) -> None:
             shutil.rmtree(leftover, ignore_errors=True)
 
 
+DISK_MARGIN_BYTES = 64 * 2**20  # beside the checkpoint's own bytes: tokenizer files, config, the filesystem's slack
+
+
+def make_room(run_dir: Path, new_step: str, needed_bytes: int, keep_last: int | None) -> list[Path]:
+    """Before writing checkpoint `new_step` of about `needed_bytes`: if the disk lacks the room, delete first the
+    checkpoints that pruning would delete after the write, never the newest one nor the newest resumable one (a
+    write that then fails leaves them whole); if that is not enough, refuse before writing anything. Returns
+    what was deleted."""
+    run_dir = Path(run_dir)
+    needed = needed_bytes + DISK_MARGIN_BYTES
+    if shutil.disk_usage(run_dir).free >= needed:
+        return []
+    steps = sorted(path for path in run_dir.glob(STEP_GLOB) if path.name != new_step)
+    resumable = [step for step in steps if (step / TRAINER_STATE).is_file()]
+    # What pruning keeps once the new step is written: it and the newest keep_last - 1 before it.
+    kept_after = set(steps[max(0, len(steps) + 1 - keep_last):]) if keep_last is not None else set(steps)
+    protected = kept_after | set(steps[-1:]) | set(resumable[-1:])
+    deleted = []
+    for step in (step for step in steps if step not in protected):
+        if shutil.disk_usage(run_dir).free >= needed:
+            break
+        shutil.rmtree(step)
+        deleted.append(step)
+    free = shutil.disk_usage(run_dir).free
+    if free < needed:
+        after = f" after deleting {len(deleted)} old checkpoint(s)" if deleted else ""
+        raise CheckpointError(
+            f"not enough disk space for {run_dir / new_step}: it needs about {needed / 1e9:.2f} GB and the filesystem "
+            f"of {run_dir} has {free / 1e9:.2f} GB free{after}; nothing was written. Free space, or keep fewer or "
+            "smaller checkpoints (checkpoint.keep_last, checkpoint.optimizer_state: false)")
+    if deleted:
+        logger.warning("deleted %s before writing %s, to make room on the disk", ", ".join(p.name for p in deleted),
+                       new_step)
+    return deleted
+
+
 def prune(run_dir: Path, keep_last: int | None) -> list[Path]:
     """Delete all but the newest `keep_last` checkpoints, always keeping the newest resumable one."""
     steps = sorted(Path(run_dir).glob(STEP_GLOB))

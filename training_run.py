@@ -141,7 +141,8 @@ def save_checkpoint(config: TrainConfig | SFTConfig, step: int, model, optimizer
                     extra_state: dict | None = None) -> None:
     """<checkpoint.dir>/<run_name>/step_NNNNNN, with the trainer state to resume from if `resumable` or
     checkpoint.optimizer_state (else weights only). Every rank takes part (FSDP gathers the shards; each
-    rank's random states are kept); rank 0 writes, then prunes to checkpoint.keep_last."""
+    rank's random states are kept); rank 0 makes room on the disk first (checkpoint.make_room), writes, then
+    prunes to checkpoint.keep_last."""
     savable = distributed.savable_model(model)
     trainer_state = None
     if resumable or config.checkpoint.optimizer_state:
@@ -150,16 +151,30 @@ def save_checkpoint(config: TrainConfig | SFTConfig, step: int, model, optimizer
                                                                  "rng": rng_state()}), **(extra_state or {})}
     if distributed.is_main_process():
         run_directory = Path(config.checkpoint.dir) / config.run_name
+        weights = {tensor.data_ptr(): tensor for tensor in savable.state_dict().values()}  # tied ones once
         try:
+            checkpoint.make_room(run_directory, f"step_{step:06d}", tensor_bytes(weights) + tensor_bytes(trainer_state),
+                                 config.checkpoint.keep_last)
             path = checkpoint.save(run_directory / f"step_{step:06d}", savable, model_dir, run_config=config,
                                    trainer_state=trainer_state)
-        except checkpoint.CheckpointError as error:  # a full disk, a directory gone read-only
+        except checkpoint.CheckpointError as error:  # no room, a full disk, a directory gone read-only
             raise checkpoint.CheckpointError(f"{error}; once it can be written, continue the run with "
                                              f"--resume {run_directory}") from None
         logger.info("saved checkpoint %s", path)
         (run_directory / checkpoint.FINISHED).unlink(missing_ok=True)  # a finished run continued: not finished yet
         checkpoint.prune(run_directory, config.checkpoint.keep_last)
     distributed.barrier()  # no rank goes on (and may read it) before the checkpoint is complete
+
+
+def tensor_bytes(value) -> int:
+    """The bytes of the tensors in a state (nested dicts and lists): about what writing it takes on disk."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(tensor_bytes(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(item) for item in value)
+    return 0
 
 
 def restore_trainer_state(checkpoint_dir: Path, model, optimizer, generator: torch.Generator | None = None) -> dict:

@@ -3,6 +3,7 @@ a bootstrap that builds only its own paths, and data errors that name file and r
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -141,6 +142,79 @@ def test_retention_keeps_the_newest_k_and_the_newest_resumable(tmp_path):
     assert checkpoint.find(tmp_path) == tmp_path / "step_000002"
     checkpoint.prune(tmp_path, keep_last=None)
     assert len(list(tmp_path.glob("step_*"))) == 3
+
+
+class SmallDisk:
+    """shutil.disk_usage of a filesystem of `capacity` bytes that holds only the files under `directory`."""
+
+    def __init__(self, directory: Path, capacity: int):
+        self.directory, self.capacity = directory, capacity
+
+    def __call__(self, path):
+        used = sum(file.stat().st_size for file in self.directory.rglob("*") if file.is_file())
+        return shutil._ntuple_diskusage(self.capacity, used, self.capacity - used)
+
+
+def fake_steps(run_dir: Path, resumable: dict[int, bool]) -> None:
+    """Checkpoints of 1,000 bytes each; resumable ones hold a trainer state."""
+    for step, has_state in resumable.items():
+        directory = run_dir / f"step_{step:06d}"
+        directory.mkdir(parents=True)
+        (directory / ("trainer_state.pt" if has_state else "model.safetensors")).write_bytes(b"x" * 1000)
+
+
+@pytest.mark.parametrize("resumable, keep_last, capacity, deleted", [
+    ({1: True, 2: True, 3: True}, 3, 10_000, []),  # room enough: pruning waits for the write
+    ({1: True, 2: True, 3: True}, 3, 3_500, [1]),  # step 1 goes after the write anyway: it goes first
+    ({1: True, 2: True, 3: True}, 1, 3_500, [1]),  # one deletion is room enough; step 2 waits
+    ({1: True, 2: False, 3: False}, 1, 3_500, [2]),  # step 1 is the newest resumable, step 3 the newest
+])
+def test_a_checkpoint_makes_room_by_deleting_first_what_pruning_would(resumable, keep_last, capacity, deleted,
+                                                                     tmp_path, monkeypatch):
+    fake_steps(tmp_path, resumable)
+    monkeypatch.setattr(checkpoint, "DISK_MARGIN_BYTES", 0)
+    monkeypatch.setattr(shutil, "disk_usage", SmallDisk(tmp_path, capacity))
+    assert checkpoint.make_room(tmp_path, "step_000004", 1000, keep_last) == [
+        tmp_path / f"step_{step:06d}" for step in deleted]
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == [f"step_{s:06d}" for s in resumable if s not in deleted]
+
+
+@pytest.mark.parametrize("resumable", [{1: True}, {1: True, 2: False}])
+def test_without_room_the_newest_and_the_newest_resumable_stay_and_nothing_is_written(resumable, tmp_path,
+                                                                                      monkeypatch):
+    fake_steps(tmp_path, resumable)
+    monkeypatch.setattr(checkpoint, "DISK_MARGIN_BYTES", 0)
+    monkeypatch.setattr(shutil, "disk_usage", SmallDisk(tmp_path, 1000 * len(resumable) + 500))
+    with pytest.raises(checkpoint.CheckpointError, match=r"not enough disk space for .*step_000003: it needs about "
+                                                         r"0.00 GB .* nothing was written. Free space, or keep fewer"):
+        checkpoint.make_room(tmp_path, "step_000003", 1000, keep_last=1)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == [f"step_{s:06d}" for s in resumable]
+
+
+def test_a_run_without_room_for_its_checkpoint_stops_before_writing_it(tmp_path, tiny_model_dir, countdown_dir,
+                                                                       monkeypatch):
+    """The size asked for is the checkpoint's: weights (tied ones once) and trainer state, as written."""
+    config = tiny_config(tmp_path, tiny_model_dir, countdown_dir, "optim.num_steps=2", "checkpoint.interval=1",
+                         "eval.interval=0")
+    written = []
+    real_make_room = checkpoint.make_room
+
+    def make_room_then_fill(run_dir, new_step, needed_bytes, keep_last):
+        real_make_room(run_dir, new_step, needed_bytes, keep_last)
+        written.append(needed_bytes)
+        if new_step == "step_000001":  # the first checkpoint fits; then the disk is full
+            monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12, 0))
+
+    monkeypatch.setattr(checkpoint, "make_room", make_room_then_fill)
+    run_dir = tmp_path / "checkpoints" / "tiny"
+    with pytest.raises(checkpoint.CheckpointError, match=rf"not enough disk space for {run_dir}/step_000002: .*"
+                                                         rf"once it can be written, continue the run with --resume "
+                                                         rf"{run_dir}$"):
+        train.train(config)
+    on_disk = sum(file.stat().st_size for file in (run_dir / "step_000001").iterdir()
+                  if file.name in ("model.safetensors", "trainer_state.pt"))
+    assert 0.95 * on_disk < written[0] <= on_disk
+    assert sorted(p.name for p in run_dir.glob("step_*")) == ["step_000001"]
 
 
 def test_truncated_checkpoint_files_are_named(tmp_path, tiny_model_dir):
