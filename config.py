@@ -109,6 +109,15 @@ def device(section, name: str = "device") -> None:
           getattr(section, name))
 
 
+def check_device_usable(name: str) -> None:
+    """A GPU asked for by name (device: cuda, cuda:N, mps) must be usable: checked once a config is read, before
+    anything is downloaded or loaded. It loads torch, which only such a request pays for before its run."""
+    if name not in ("auto", "cpu"):
+        import runtime
+
+        runtime.resolve_device(name)
+
+
 def plain_name(section, name: str) -> None:
     """A name that becomes one directory level (run_name): no separators, no '..', not empty."""
     value = getattr(section, name)

@@ -2,7 +2,9 @@
 seeds (and the random states a checkpoint keeps), the model in its dtype, and the seeded order of the data.
 The life of a training run (claim, resume, steps, checkpoints, stop) is training_run.py's."""
 
+import os
 import random
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -19,19 +21,55 @@ from qwen2_model import Transformer
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+# The oldest NVIDIA driver branch each CUDA major runs on (NVIDIA's minor-version compatibility table).
+MIN_DRIVER_FOR_CUDA = {11: 450, 12: 525, 13: 580}
+CPU_DEMO = "on a machine without a GPU, run the CPU demo: uv run train.py --config configs/cpu_demo.yaml"
+
+
 def resolve_device(name: str) -> torch.device:
     """'auto' picks CUDA when present, else the CPU; asking for a device this machine lacks is a config error."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise config_lib.ConfigError(f"device: {name} was requested but no CUDA GPU is visible; use device: auto or cpu")
+        raise config_lib.ConfigError(f"device: {name} was requested but CUDA is not usable: {cuda_unusable_reason()}")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise config_lib.ConfigError(f"device: {name} was requested but only {torch.cuda.device_count()} CUDA GPU(s) "
                                      f"are visible (cuda:0 to cuda:{torch.cuda.device_count() - 1})")
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise config_lib.ConfigError("device: mps was requested but this machine has no Apple GPU; use device: auto or cpu")
     return device
+
+
+def cuda_unusable_reason(driver: str | None = None) -> str:
+    """Why torch cannot use a GPU here, and what to do; `driver`: the NVIDIA driver's version (default: the
+    loaded one's)."""
+    built_for = torch.version.cuda  # None: a torch built without CUDA
+    if built_for is None:
+        return (f"this torch ({torch.__version__}) is built without CUDA; `uv sync --locked` installs the locked "
+                f"one, or {CPU_DEMO}")
+    driver = driver or nvidia_driver_version()
+    if driver is None:
+        return f"no NVIDIA driver is loaded (no /proc/driver/nvidia/version), so no GPU is visible; {CPU_DEMO}"
+    needed = MIN_DRIVER_FOR_CUDA.get(int(built_for.split(".")[0]))
+    if needed and int(driver.split(".")[0]) < needed:
+        return (f"the NVIDIA driver is {driver}, and this torch ({torch.__version__}, built for CUDA {built_for}) "
+                f"needs a driver >= {needed}: update the driver (docs/gpu.md), or {CPU_DEMO}")
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if hidden is not None:
+        return f"CUDA_VISIBLE_DEVICES={hidden!r} may hide the GPUs from this process: unset it or name one (0, 1, ...)"
+    return (f"the NVIDIA driver {driver} is new enough for CUDA {built_for}, but torch finds no GPU: `nvidia-smi` "
+            f"shows what the driver sees; {CPU_DEMO}")
+
+
+def nvidia_driver_version(version_file: Path = Path("/proc/driver/nvidia/version")) -> str | None:
+    """The loaded NVIDIA kernel driver's version ('580.65.06'), or None when none is loaded."""
+    try:
+        text = Path(version_file).read_text()
+    except OSError:
+        return None
+    match = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", text)
+    return match and match.group(1)
 
 
 def set_up_process(device: str, cpu_threads: int | None, seed: int) -> torch.device:

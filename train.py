@@ -50,6 +50,7 @@ def read_command_line(argv: list[str] | None = None) -> checkpoint.RunPlan:
 def plan_run(config: TrainConfig, resume: str | None = None, overwrite: bool = False,
              checkpoint_dir: Path | None = None) -> checkpoint.RunPlan:
     """The one plan of a start (checkpoint.RunPlan), from the command line or from train(config, ...)."""
+    config_lib.check_device_usable(config.device)
     checkpoint.plan_resume(config, resume, checkpoint_dir)
     return checkpoint.RunPlan(config, resume, checkpoint_dir, overwrite, check_inputs(config, checkpoint_dir))
 

@@ -58,6 +58,7 @@ def read_command_line(argv: list[str] | None = None) -> checkpoint.RunPlan:
 def plan_run(config: SFTConfig, resume: str | None = None, overwrite: bool = False,
              checkpoint_dir: Path | None = None) -> checkpoint.RunPlan:
     """The one plan of a start (checkpoint.RunPlan), from the command line or from train_sft(config, ...)."""
+    config_lib.check_device_usable(config.device)
     checkpoint.plan_resume(config, resume, checkpoint_dir, run_name_prefix="sft-")
     check_inputs(config, resuming=checkpoint_dir is not None)
     check_output_outside(config.output_dir, Path(config.checkpoint.dir) / config.run_name)

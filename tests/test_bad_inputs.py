@@ -273,7 +273,9 @@ def run_with_other_weights(paths) -> None:
 # torch (the device, the tokenizer, the rows); each runs in-process, as `main` does it.
 AFTER_TORCH = [
     ("device cuda without a GPU", None, lambda p: (train.main, train_args(p, "device=cuda")[1:]),
-     "config error: device: cuda was requested but no CUDA GPU is visible; use device: auto or cpu\n"),
+     "config error: device: cuda was requested but CUDA is not usable: no NVIDIA driver is loaded (no "
+     "/proc/driver/nvidia/version), so no GPU is visible; on a machine without a GPU, run the CPU demo: uv run "
+     "train.py --config configs/cpu_demo.yaml\n"),
     ("no prompt fits rollout.max_prompt_len", None,
      lambda p: (train.main, train_args(p, "rollout.max_prompt_len=5", "task.test_size=4")[1:]),
      "config error: rollout.max_prompt_len: none of the first 64 training prompts fits (the shortest has "),
@@ -418,3 +420,61 @@ def test_gpu_bench_without_a_gpu_says_so_and_creates_nothing(nvidia_smi, tmp_pat
     assert result.stderr == ("bench/gpu.sh needs an NVIDIA GPU and nvidia-smi finds none here; DRY_RUN=1 bash "
                              "bench/gpu.sh runs the same commands on the CPU at toy sizes\n")
     assert sorted(path.name for path in tmp_path.iterdir()) == ["bin"]
+
+
+# ----------------------------------------------------------------------------- a GPU asked for where none is usable
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a usable GPU")
+@pytest.mark.parametrize("config_file", ["config.yaml", "config_24GB.yaml"])
+def test_a_gpu_config_without_a_usable_gpu_says_why_before_fetching_anything(config_file, tmp_path, monkeypatch,
+                                                                            capsys):
+    import hub
+
+    fetched = []
+    monkeypatch.setattr(hub, "local_dir", lambda name, **kwargs: fetched.append(name) or name)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--config", config_file, "--set", f"checkpoint.dir={tmp_path / 'c'}",
+                    "--set", f"logging.log_dir={tmp_path / 'l'}"])
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in error
+    assert error.startswith("config error: device: cuda was requested but CUDA is not usable: ")
+    assert "uv run train.py --config configs/cpu_demo.yaml" in error or "CUDA_VISIBLE_DEVICES" in error
+    assert fetched == [] and list(tmp_path.iterdir()) == []  # the Qwen2.5-3B download never started
+
+
+@pytest.mark.parametrize("built_for, driver, visible, reason", [
+    (None, None, None, "this torch ({version}) is built without CUDA; `uv sync --locked` installs the locked one"),
+    ("13.0", None, None, "no NVIDIA driver is loaded (no /proc/driver/nvidia/version), so no GPU is visible; on a "
+                         "machine without a GPU, run the CPU demo: uv run train.py --config configs/cpu_demo.yaml"),
+    ("13.0", "575.57.08", None, "the NVIDIA driver is 575.57.08, and this torch ({version}, built for CUDA 13.0) "
+                                "needs a driver >= 580: update the driver (docs/gpu.md)"),
+    ("12.8", "525.60.13", "", "CUDA_VISIBLE_DEVICES='' may hide the GPUs from this process"),
+    ("12.8", "575.57.08", None, "the NVIDIA driver 575.57.08 is new enough for CUDA 12.8, but torch finds no GPU"),
+])
+def test_why_cuda_is_not_usable_names_both_versions_and_the_way_out(built_for, driver, visible, reason,
+                                                                   monkeypatch):
+    import runtime
+
+    monkeypatch.setattr(torch.version, "cuda", built_for)
+    monkeypatch.setattr(runtime, "nvidia_driver_version", lambda: driver)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    if visible is not None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert runtime.cuda_unusable_reason().startswith(reason.format(version=torch.__version__))
+
+
+@pytest.mark.parametrize("text, version", [
+    ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023\nGCC version: 12",
+     "535.104.05"),
+    ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.65.06  Release Build  (dvs-builder@U16)  "
+     "Tue Jul 15 2025\n", "580.65.06"),
+    (None, None),
+])
+def test_the_driver_version_is_read_from_the_kernel_module(text, version, tmp_path):
+    import runtime
+
+    version_file = tmp_path / "version"
+    if text is not None:
+        version_file.write_text(text)
+    assert runtime.nvidia_driver_version(version_file) == version

@@ -187,8 +187,9 @@ def test_missing_model_and_data_say_how_to_get_them(tmp_path, tiny_model_dir, co
 
 def test_cuda_without_a_gpu_is_a_clear_error(tmp_path, tiny_model_dir, countdown_dir, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a machine without a GPU
-    with pytest.raises(config_lib.ConfigError, match="device: cuda was requested but no CUDA GPU is visible"):
+    with pytest.raises(config_lib.ConfigError, match="device: cuda was requested but CUDA is not usable: "):
         train.train(tiny_config(tmp_path, tiny_model_dir, countdown_dir, "device=cuda"))
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "logs").exists()
 
 
 def test_console_shows_the_formatted_fraction_as_evaluate_does(tmp_path, tiny_model_dir, countdown_dir, monkeypatch,
