@@ -301,7 +301,9 @@ def load_trainer_state(checkpoint_dir) -> dict:
 
     path = Path(checkpoint_dir) / TRAINER_STATE
     try:
-        return torch.load(path, weights_only=False)
+        # Mapped, not read: the optimizer copies each moment where it lives (the GPU, or CPU memory when
+        # offloaded), so the host never holds the file's copy beside its own (25 GB of moments for Qwen2.5-3B).
+        return torch.load(path, weights_only=False, mmap=True)
     except Exception as error:  # truncated or corrupt: say which file, and what to do
         raise CheckpointError(f"{path} cannot be read ({type(error).__name__}: {error}); the checkpoint is damaged: "
                               f"resume from another step (--resume {path.parent.parent}/step_...)") from None

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import memory_plan
+from bench import memory_plan, resume_memory
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -226,3 +226,11 @@ def test_real_model_table_shows_the_shortcut_baseline_per_number_count():
     assert row["3n top-10 forms"] == "76.0" and row["3n outside top-10"] == "12.0" and row["3n own form share"] == "40"
     assert row["4n best form"] == "0.0" and row["4n final"] == "5.0"  # no forms of a count: 0, not a crash
     assert "seed 0: 3n `a + b - c`, 4n `none`" in lines[-1]
+
+
+def test_a_resume_maps_the_trainer_state_instead_of_holding_a_second_copy(capsys):
+    """The offloaded AdamW's moments, resumed: read whole, the host holds them twice; mapped, once."""
+    report = resume_memory.main(["--megabytes", "64", "--rounds", "1"])
+    [round_] = report["rounds"]
+    assert round_["mapped"]["after_read_mb"] < 0.25 * 64 < 0.75 * 64 < round_["read"]["after_read_mb"]
+    assert round_["mapped"]["after_optimizer_mb"] < 1.5 * 64 < round_["read"]["after_optimizer_mb"]
