@@ -18,6 +18,8 @@ if [[ "${DRY_RUN:-0}" != 1 ]] && ! nvidia-smi -L >/dev/null 2>&1; then  # before
   exit 2
 fi
 mkdir -p "$OUT"
+# Install first, outside every benchmark's timeout: on a fresh machine the CUDA wheels take minutes to fetch.
+uv sync --locked --group bench
 
 # Timeouts in seconds (a dry run on a busy CPU gets ten times as long).
 SCALE=1
