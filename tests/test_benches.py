@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import memory_plan, resume_memory
+from bench import matmul_dtype, memory_plan, resume_memory
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -234,3 +234,10 @@ def test_a_resume_maps_the_trainer_state_instead_of_holding_a_second_copy(capsys
     [round_] = report["rounds"]
     assert round_["mapped"]["after_read_mb"] < 0.25 * 64 < 0.75 * 64 < round_["read"]["after_read_mb"]
     assert round_["mapped"]["after_optimizer_mb"] < 1.5 * 64 < round_["read"]["after_optimizer_mb"]
+
+
+def test_the_matmul_bench_reports_both_dtypes_at_every_shape(capsys):
+    report = matmul_dtype.main(["--rows", "4", "--rounds", "1", "--threads", "1"])
+    assert set(report["gflops"]) == set(matmul_dtype.SHAPES)
+    assert all(set(by_dtype) == {"float32", "bfloat16"} and by_dtype["float32"]["median"] > 0
+               for by_dtype in report["gflops"].values())
