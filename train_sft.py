@@ -298,6 +298,7 @@ def train_sft_from(plan: checkpoint.RunPlan) -> dict:
         if distributed.is_main_process():
             saved = checkpoint.save(config.output_dir, savable, run.model_dir, run_config=config)
             logger.info("saved the fine-tuned model to %s", saved)
+        distributed.barrier()  # no rank goes on (and may read it) before the model is complete
     run.finish()
     return {**metrics, "steps": run.last_step}
 

@@ -55,7 +55,8 @@ class TrainingRun:
         self.log_directory = Path(config.logging.log_dir) / config.run_name
         self.run_claim: checkpoint.RunClaim | None = None
         self.run_logger: RunLogger | None = None
-        self.start_step = self.last_step = 0
+        self.start_step = self.last_step = self.num_steps = 0
+        self.bar = None  # the step counter, while `steps` runs
         self.stop_request: StopRequest | None = None
         self.stopping = False
         self.progress = config.progress and distributed.is_main_process()
@@ -128,7 +129,6 @@ class TrainingRun:
             if not self.stopping:
                 checkpoint.mark_finished(self.directory)
             self.run_claim.release()
-        distributed.barrier()  # no rank goes on (and may read what rank 0 wrote) before it is complete
         if self.stopping:
             raise RunStopped(self.script, self.stop_request.signal, self.last_step, self.directory)
 
