@@ -299,7 +299,7 @@ def update_policy(
     weights = episode_loss_weights(episodes, config, num_sequences=counts.sequences, num_tokens=counts.tokens,
                                    max_gen_len=max_gen_len)
     episode_sums = {"advantage_abs_sum": sum(abs(a) for a in advantages), "episodes": len(episodes)}
-    episodes, advantages, weights = episodes_to_train(episodes, advantages, weights, config)
+    episodes, advantages, weights = episodes_with_gradient(episodes, advantages, weights, config)
     stats = UpdateStats(next(model.parameters()).device, config)
     batches = micro_batches(episodes, optim.micro_batch_size)
     anchors = {}  # per micro-batch, fixed by the first epoch
@@ -347,8 +347,8 @@ def batch_entropy_threshold(episodes: list[Episode], config: LossConfig) -> floa
     return high_entropy_threshold(entropies, config.top_entropy_fraction) if entropies else None
 
 
-def episodes_to_train(episodes: list[Episode], advantages: list[float], weights: list[float],
-                      config: LossConfig) -> tuple[list[Episode], list[float], list[float]]:
+def episodes_with_gradient(episodes: list[Episode], advantages: list[float], weights: list[float],
+                           config: LossConfig) -> tuple[list[Episode], list[float], list[float]]:
     """The episodes whose loss is not exactly 0, with their advantages and weights.
 
     An answer with advantage 0 (its group's rewards were all equal) adds exactly 0 to the loss and its gradient,
