@@ -257,12 +257,10 @@ def make_room(run_dir: Path, new_step: str, needed_bytes: int, keep_last: int | 
     if shutil.disk_usage(run_dir).free >= needed:
         return []
     steps = sorted(path for path in run_dir.glob(STEP_GLOB) if path.name != new_step)
-    resumable = [step for step in steps if (step / TRAINER_STATE).is_file()]
-    # What pruning keeps once the new step is written: it and the newest keep_last - 1 before it.
-    kept_after = set(steps[max(0, len(steps) + 1 - keep_last):]) if keep_last is not None else set(steps)
-    protected = kept_after | set(steps[-1:]) | set(resumable[-1:])
+    # What retention deletes once the new step is there, but not the newest checkpoint before the new one is whole.
+    deletable = [step for step in retired([*steps, run_dir / new_step], keep_last) if step not in steps[-1:]]
     deleted = []
-    for step in (step for step in steps if step not in protected):
+    for step in deletable:
         if shutil.disk_usage(run_dir).free >= needed:
             break
         shutil.rmtree(step)
@@ -280,14 +278,19 @@ def make_room(run_dir: Path, new_step: str, needed_bytes: int, keep_last: int | 
     return deleted
 
 
-def prune(run_dir: Path, keep_last: int | None) -> list[Path]:
-    """Delete all but the newest `keep_last` checkpoints, always keeping the newest resumable one."""
-    steps = sorted(Path(run_dir).glob(STEP_GLOB))
+def retired(steps: list[Path], keep_last: int | None) -> list[Path]:
+    """Which of the run's checkpoints `steps` (oldest first) retention deletes: all but the newest `keep_last`,
+    never the newest resumable one."""
     if keep_last is None or len(steps) <= keep_last:
         return []
     resumable = [step for step in steps if (step / TRAINER_STATE).is_file()]
     keep = set(steps[-keep_last:]) | set(resumable[-1:])
-    deleted = [step for step in steps if step not in keep]
+    return [step for step in steps if step not in keep]
+
+
+def prune(run_dir: Path, keep_last: int | None) -> list[Path]:
+    """Delete all but the newest `keep_last` checkpoints, always keeping the newest resumable one."""
+    deleted = retired(sorted(Path(run_dir).glob(STEP_GLOB)), keep_last)
     for step in deleted:
         shutil.rmtree(step)
     return deleted
