@@ -3,6 +3,8 @@
 A run directory (<checkpoint.dir>/<run_name>) holds the run's config.yaml and step_NNNNNN checkpoints:
 each a Hugging Face model directory (weights, config, tokenizer), loadable as-is by
 `Transformer.from_pretrained`, `transformers` and `evaluate.py`, plus trainer_state.pt to resume from.
+A LoRA run's checkpoints hold its adapters in adapter/ (PEFT's layout) and, after the last step only, the
+merged weights too; evaluate.py and model.dir take either.
 
 What keeps a run's files whole:
 - One process owns a run directory and its log directory: `claim_run` takes a lock file in each
@@ -38,6 +40,7 @@ LOCK_FILE = ".lock"
 STEP_GLOB = "step_[0-9]*"
 EVENTS_GLOB = "events.out.tfevents.*"
 RUN_CONFIG = "config.yaml"  # in the run directory and in every checkpoint
+ADAPTER_SUBDIR = "adapter"  # a LoRA run's adapters in a checkpoint, in PEFT's layout
 FINISHED = "finished"  # in the run directory of a run that ended normally (not stopped, not killed)
 LOW_DISK_BYTES = 16 * 2**20  # a failed write with less than this left on its filesystem ran out of space
 
@@ -182,14 +185,21 @@ def _fsync(path: Path) -> None:
         os.close(descriptor)
 
 
-def save(out_dir, model, tokenizer_dir, *, run_config=None, trainer_state: dict | None = None) -> Path:
+def save(out_dir, model, tokenizer_dir, *, run_config=None, trainer_state: dict | None = None,
+         weights: bool = True) -> Path:
+    """Write out_dir atomically: the model in the Hugging Face layout (its LoRA adapters merged; `weights` False:
+    none), a model with adapters also those alone in out_dir/adapter/ (PEFT's layout, on the base model
+    `tokenizer_dir` names), the tokenizer's files, and the run's config and trainer state when given."""
     import torch  # here, so entry points can validate their config before loading torch
 
     out_dir = Path(out_dir)
     staging = out_dir.with_name(f".{out_dir.name}.tmp.{os.getpid()}")  # unique per process
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        model.save_pretrained(staging)
+        if weights:
+            model.save_pretrained(staging)
+        if model.adapter_settings:
+            model.save_adapter(staging / ADAPTER_SUBDIR, base_model=same_place(str(tokenizer_dir)))
         for name in TOKENIZER_FILES:
             source = Path(tokenizer_dir) / name
             if source.is_file():
@@ -198,7 +208,7 @@ def save(out_dir, model, tokenizer_dir, *, run_config=None, trainer_state: dict 
             torch.save(trainer_state, staging / TRAINER_STATE)
         if run_config is not None:
             config_lib.dump(run_config, staging / RUN_CONFIG)
-        for file in staging.iterdir():  # on disk before the rename makes them the checkpoint
+        for file in [*staging.iterdir(), *staging.glob(f"{ADAPTER_SUBDIR}/*")]:  # on disk before the rename
             _fsync(file)
         _fsync(staging)
     except BaseException as error:  # a half-written copy would only fill the disk: remove it, whatever stopped us
@@ -315,8 +325,9 @@ def load_trainer_state(checkpoint_dir) -> dict:
 # ----------------------------------------------------------------------------- whose state a checkpoint is
 
 # The keys that make a run what it is: a checkpoint continues only a start that agrees on all of them.
-IDENTITY_KEYS = {"grpo": ("model.dir", "task.name", "task.data_dir", "seed"),
-                 "sft": ("model.dir", "task.name", "task.data_dir", "data.train_jsonl", "data.response", "seed")}
+IDENTITY_KEYS = {"grpo": ("model.dir", "model.lora", "task.name", "task.data_dir", "seed"),
+                 "sft": ("model.dir", "model.lora", "task.name", "task.data_dir", "data.train_jsonl", "data.response",
+                         "seed")}
 TRAINER_SCRIPTS = {"grpo": "train.py", "sft": "train_sft.py"}
 HUB_SNAPSHOT = re.compile(r"(?:models|datasets)--([^/]+)--([^/]+)/snapshots/[^/]+/?$")
 
@@ -333,7 +344,15 @@ def run_identity(values: dict) -> dict:
         section, _, name = key.partition(".")
         value = values.get(section, {}).get(name) if name else values.get(section)
         identity[key] = same_place(value) if key.endswith(("dir", "jsonl")) else value
+    identity["model.lora"] = adapter_kind(identity["model.lora"])
     return identity
+
+
+def adapter_kind(lora: dict | None) -> str:
+    """What a run trains, in words: its LoRA settings, or the whole model (also a config.yaml from before LoRA)."""
+    if not lora or lora.get("rank") is None:
+        return "full fine-tuning (no LoRA)"
+    return f"LoRA rank {lora['rank']}, alpha {lora['alpha']}, layers {','.join(lora['layers'])}"
 
 
 def same_place(path: str | None) -> str | None:

@@ -169,11 +169,52 @@ def world_size() -> int:
 # ablate.py runs TrainConfigs. The code that reads a section imports it from here.
 
 
+# The linear layers of a block that LoRA can adapt (qwen2_model.ADAPTER_LAYERS; torch is not loaded here).
+LORA_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoRAConfig:
+    # LoRA: train a rank-`rank` adapter beside each `layers` weight of every block and freeze the model (embeddings
+    # and output head included). null: full fine-tuning. LoRA Without Regret (Schulman et al. 2025): in RL rank 1
+    # matches full fine-tuning when every layer is adapted, at ~10x its learning rate (docs/lora.md)
+    rank: int | None = None
+    alpha: float = 32.0  # the adapter's output is scaled by alpha / rank: the best learning rate hardly moves with rank
+    layers: list[str] = field(default_factory=lambda: list(LORA_LAYERS))
+
+    def validate(self) -> None:
+        at_least(self, "rank", 1)
+        within(self, "alpha", 0, 1e6, "(]")
+        check(bool(self.layers) and set(self.layers) <= set(LORA_LAYERS) and len(set(self.layers)) == len(self.layers),
+              "layers", f"must be distinct names among {', '.join(LORA_LAYERS)}", self.layers)
+
+    def check_width(self, hf_config: dict) -> None:
+        """A rank above a layer's smaller side adds nothing a full update would not: refused with the model's
+        widths, read from its config.json before any weight loads."""
+        if self.rank is None:
+            return
+        hidden, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
+        head_dim = hf_config.get("head_dim") or hidden // heads
+        query, key_value = heads * head_dim, hf_config.get("num_key_value_heads", heads) * head_dim
+        sides = {"q_proj": query, "k_proj": key_value, "v_proj": key_value, "o_proj": query,
+                 "gate_proj": hf_config["intermediate_size"], "up_proj": hf_config["intermediate_size"],
+                 "down_proj": hf_config["intermediate_size"]}
+        narrowest = min(self.layers, key=lambda layer: min(hidden, sides[layer]))
+        width = min(hidden, sides[narrowest])
+        check(self.rank <= width, "model.lora.rank", f"must be <= {width}, the width of this model's "
+              f"{narrowest} (a rank that large already changes the whole weight)", self.rank)
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank is not None
+
+
 @dataclass
 class ModelSetup:
     dir: str = "Qwen/Qwen2.5-3B-Instruct"  # a Hugging Face model directory or Hub id (hub.py)
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     gradient_checkpointing: bool = True
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def validate(self) -> None:
         paths(self, "dir")

@@ -236,6 +236,8 @@ def savable_model(model: Transformer) -> Transformer | None:
         return None
     with torch.device("meta"):
         whole = Transformer(model.config, model.hf_config)
+        if model.adapter_settings:
+            whole.add_adapters(**model.adapter_settings)
     whole.load_state_dict(state, assign=True)
     whole.tie_weights()
     return whole

@@ -30,8 +30,50 @@ def model_download_hint(model_dir: Path) -> str:
             f"git lfs install && git clone https://huggingface.co/Qwen/{name} {model_dir}")
 
 
+# A LoRA adapter in PEFT's layout (qwen2_model.save_adapter): a directory of its own, or a LoRA run's checkpoint's
+# adapter/ (checkpoint.save), beside its merged weights after the last step and alone before.
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def adapter_dir(model_dir: Path) -> Path | None:
+    """The LoRA adapter that `model_dir` stands for when it holds no weights of its own (no config.json): itself,
+    a PEFT adapter directory, or its adapter/, a LoRA run's checkpoint; None for a model directory."""
+    if (model_dir / "config.json").is_file():
+        return None
+    return next((candidate for candidate in (model_dir, model_dir / checkpoint.ADAPTER_SUBDIR)
+                 if (candidate / ADAPTER_CONFIG).is_file()), None)
+
+
+def adapter_base(adapter: Path) -> Path:
+    """The model directory the adapter goes on: its base_model_name_or_path (a Hub id is fetched)."""
+    config = read_json(adapter / ADAPTER_CONFIG)
+    base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+    if not base:
+        raise DataError(f"{adapter / ADAPTER_CONFIG} names no base_model_name_or_path: the model the adapter goes on")
+    base = Path(hub.local_dir(base, repo_type="model", key=f"{adapter / ADAPTER_CONFIG}: base_model_name_or_path",
+                              files=hub.MODEL_FILES))
+    if adapter_dir(base) is not None:
+        raise DataError(f"{adapter / ADAPTER_CONFIG}: its base model {base} is itself an adapter; name the model "
+                        "directory it goes on")
+    return base
+
+
+def weights_dir(model_dir: Path) -> Path:
+    """Where the model's config.json and weights are: model_dir, or for an adapter its base model's directory."""
+    adapter = adapter_dir(model_dir)
+    return adapter_base(adapter) if adapter else model_dir
+
+
+def tokenizer_dir(model_dir: Path) -> Path:
+    """Where the model's tokenizer is: model_dir's own files (a LoRA run's checkpoint keeps a copy), else for an
+    adapter its base model's."""
+    own = all((model_dir / name).is_file() for name in REQUIRED_TOKENIZER_FILES)
+    return model_dir if own or adapter_dir(model_dir) is None else weights_dir(model_dir)
+
+
 def read_hf_config(model_dir: Path) -> dict:
-    """A model directory's config.json."""
+    """A model directory's config.json (an adapter's: its base model's)."""
+    model_dir = weights_dir(model_dir) if model_dir.is_dir() else model_dir
     if model_dir.exists() and not model_dir.is_dir():
         raise MissingInputError(f"model directory '{model_dir}' is a file, not a directory: pass the directory that "
                                 f"holds config.json and the weights, or a Hub id")
@@ -80,11 +122,15 @@ def check_tokenizer_files(model_dir: Path) -> None:
 
 
 def check_model_dir(model_dir: Path, key: str = "model.dir") -> dict:
-    """Everything loading a model directory reads is there: returns its config.json."""
+    """Everything loading a model directory (or an adapter and its base model) reads is there: returns its
+    config.json."""
     with named(key):
+        if (adapter := adapter_dir(model_dir)) and not (adapter / "adapter_model.safetensors").is_file():
+            raise MissingInputError(f"{adapter} has {ADAPTER_CONFIG} but no adapter_model.safetensors: copy the "
+                                    "whole adapter directory")
         hf_config = read_hf_config(model_dir)
-        weight_files(model_dir)
-        check_tokenizer_files(model_dir)
+        weight_files(weights_dir(model_dir))
+        check_tokenizer_files(tokenizer_dir(model_dir))
     return hf_config
 
 

@@ -146,5 +146,7 @@ def _adamw(
 
 
 def new_adamw(params: ParamsT, config: AdamWConfig) -> MemoryEfficientAdamW:
+    """AdamW over the parameters that train (a LoRA run's adapters: its frozen weights get no moments)."""
+    params = [param for param in params if param.requires_grad]
     return MemoryEfficientAdamW(params, lr=config.learning_rate, betas=config.betas, eps=config.eps,
                                 weight_decay=config.weight_decay, enabled=config.memory_efficient_adamw)

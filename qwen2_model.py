@@ -11,6 +11,7 @@ library: copy it alone into another project. (The entry points check a model dir
 fix for each mistake: inputs.check_model_dir.)
 """
 
+import contextlib
 import json
 import logging
 import math
@@ -58,7 +59,9 @@ class ChunkLogProbs(torch.autograd.Function):
         probs = F.linear(hidden, lm_head_weight).float().sub_(log_normaliser).exp_()
         grad_logits = probs.mul_(-grad).scatter_add_(-1, targets[..., None], grad).to(hidden.dtype)
         grad_hidden = grad_logits @ lm_head_weight
-        grad_weight = grad_logits.flatten(0, -2).T @ hidden.flatten(0, -2)
+        grad_weight = None
+        if ctx.needs_input_grad[2]:  # a frozen head (LoRA) skips the vocabulary-sized matmul
+            grad_weight = grad_logits.flatten(0, -2).T @ hidden.flatten(0, -2)
         return grad_hidden, None, grad_weight, None
 
 
@@ -281,16 +284,59 @@ class KVCache:
         return KVCache(*([buffer[:, :num_slots] for buffer in buffers] for buffers in (self.keys, self.values)))
 
 
+# ----------------------------------------------------------------------------- LoRA
+# Hu et al. 2021 (arXiv:2106.09685): a weight W [out, in] stays frozen and learns a low-rank change B A
+# (A [rank, in], B [out, rank]), so a layer computes x W^T + (alpha / rank) x A^T B^T. The names below are
+# PEFT's, so an adapter saved here loads with peft.PeftModel.from_pretrained, and the reverse.
+
+ADAPTER_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+class Linear(nn.Linear):
+    """nn.Linear that can carry a LoRA adapter (add_adapter). Its A and B stay float32 whatever the weight's
+    dtype (the master copy AdamW updates) and are cast to the input's dtype for the two thin matmuls."""
+
+    adapter_scale = 0.0  # alpha / rank; 0: no adapter
+    adapter_enabled = True
+
+    def add_adapter(self, rank: int, alpha: float, generator: torch.Generator) -> None:
+        """A from PEFT's default (Kaiming-uniform, bound 1 / sqrt(in)), B = 0: the layer computes what it did."""
+        self.lora_A = nn.Linear(self.in_features, rank, bias=False, device=self.weight.device, dtype=torch.float32)
+        self.lora_B = nn.Linear(rank, self.out_features, bias=False, device=self.weight.device, dtype=torch.float32)
+        with torch.no_grad():
+            bound = 1 / math.sqrt(self.in_features)
+            uniform = torch.rand(self.lora_A.weight.shape, generator=generator)
+            self.lora_A.weight.copy_(uniform.mul_(2 * bound).sub_(bound))
+            self.lora_B.weight.zero_()
+        self.adapter_scale = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if not (self.adapter_scale and self.adapter_enabled):
+            return out
+        low_rank = F.linear(F.linear(x, self.lora_A.weight.to(x.dtype)), self.lora_B.weight.to(x.dtype))
+        return out + self.adapter_scale * low_rank
+
+    def merged_weight(self) -> torch.Tensor:
+        """W + (alpha / rank) B A, in W's dtype: the weight that computes what the layer and its adapter do."""
+        if not self.adapter_scale:
+            return self.weight
+        delta = self.adapter_scale * (self.lora_B.weight @ self.lora_A.weight)
+        return (self.weight.float() + delta).to(self.weight.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.o_bias)
+        self.q_proj = Linear(config.hidden_size, self.num_heads * self.head_dim, bias=config.qkv_bias)
+        self.k_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.qkv_bias)
+        self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.qkv_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -337,9 +383,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -465,6 +511,87 @@ class Transformer(nn.Module):
             hidden = hidden[torch.arange(len(hidden), device=hidden.device), logits_at]
         return self.lm_head(hidden)
 
+    # ------------------------------------------------------------------------- LoRA adapters
+
+    def add_adapters(self, rank: int, alpha: float, layers=ADAPTER_LAYERS, seed: int = 0) -> None:
+        """A LoRA adapter beside every `layers` linear layer of each block (Linear.add_adapter); every weight of
+        the model itself is frozen, so only the adapters train."""
+        self.requires_grad_(False)
+        generator = torch.Generator().manual_seed(seed)
+        self.adapter_settings = {"rank": rank, "alpha": alpha, "layers": list(layers)}
+        for layer in self.adapted_layers().values():
+            layer.add_adapter(rank, alpha, generator)
+
+    adapter_settings: dict | None = None  # {"rank", "alpha", "layers"} once add_adapters ran
+
+    def adapted_layers(self) -> dict[str, Linear]:
+        """The layers carrying an adapter, by module name (e.g. layers.0.self_attn.q_proj)."""
+        if not self.adapter_settings:
+            return {}
+        chosen = self.adapter_settings["layers"]
+        return {name: module for name, module in self.named_modules()
+                if isinstance(module, Linear) and name.rsplit(".", 1)[-1] in chosen}
+
+    @contextlib.contextmanager
+    def adapters_disabled(self):
+        """The model without its adapters, for the block: the base model, as it was loaded (LoRA's KL reference)."""
+        layers = list(self.adapted_layers().values())
+        for layer in layers:
+            layer.adapter_enabled = False
+        try:
+            yield self
+        finally:
+            for layer in layers:
+                layer.adapter_enabled = True
+
+    def merge_adapters(self) -> None:
+        """Fold each adapter into its weight (Linear.merged_weight) and drop it: the same outputs, at full-model
+        cost, and every weight trainable again."""
+        with torch.no_grad():
+            for layer in self.adapted_layers().values():
+                layer.weight.copy_(layer.merged_weight())
+                del layer.lora_A, layer.lora_B
+                layer.adapter_scale = 0.0
+        self.adapter_settings = None
+        self.requires_grad_(True)
+
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """The adapters' weights by PEFT's names (base_model.model.model.layers.N....lora_A.weight)."""
+        return {f"{PEFT_PREFIX}{hf_name(name)}": tensor for name, tensor in self.state_dict().items() if ".lora_" in name}
+
+    def save_adapter(self, out_dir, base_model: str) -> None:
+        """The adapters in PEFT's layout (adapter_config.json, adapter_model.safetensors), naming `base_model` (the
+        model directory or Hub id they go on): peft.PeftModel.from_pretrained loads them onto transformers' model."""
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        settings = self.adapter_settings
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+                  "r": settings["rank"], "lora_alpha": settings["alpha"], "target_modules": sorted(settings["layers"]),
+                  "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+                  "init_lora_weights": True, "inference_mode": True, "modules_to_save": None}
+        (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in self.adapter_tensors().items()}
+        save_file(tensors, out_dir / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+
+    def load_adapter(self, adapter_dir) -> None:
+        """Adapters saved by save_adapter (or PEFT, without bias or dropout) into this model's, which add_adapters
+        made with the same settings."""
+        adapter_dir = Path(adapter_dir)
+        saved = read_adapter_config(adapter_dir)
+        settings = self.adapter_settings or {}
+        if not settings or (saved["r"], saved["lora_alpha"], sorted(saved["target_modules"])) != (
+                settings["rank"], settings["alpha"], sorted(settings["layers"])):
+            raise ValueError(f"{adapter_dir}: rank {saved['r']}, alpha {saved['lora_alpha']}, layers "
+                             f"{sorted(saved['target_modules'])}; this model's adapters: {settings or 'none'}")
+        own = self.adapter_tensors()
+        with safe_open(adapter_dir / ADAPTER_WEIGHTS, framework="pt", device="cpu") as handle:
+            if set(handle.keys()) != own.keys():
+                raise ValueError(f"{adapter_dir / ADAPTER_WEIGHTS}: its tensors are not this model's adapters "
+                                 f"(e.g. {sorted(set(handle.keys()) ^ own.keys())[:3]})")
+            with torch.no_grad():
+                for name, tensor in own.items():
+                    tensor.copy_(handle.get_tensor(name))
+
     def new_kv_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
         weight = self.embed_tokens.weight
         return KVCache.empty(self.config, batch_size, max_seq_len, weight.device, weight.dtype)
@@ -495,7 +622,8 @@ class Transformer(nn.Module):
         return model
 
     def save_pretrained(self, out_dir, max_shard_bytes: int = 5 * 1024**3) -> None:
-        """Write config.json and safetensors (sharded above max_shard_bytes) in the Hugging Face layout."""
+        """Write config.json and safetensors (sharded above max_shard_bytes) in the Hugging Face layout; adapters
+        merged into their weights (save_adapter writes them alone)."""
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         dtype = self.embed_tokens.weight.dtype
@@ -503,12 +631,43 @@ class Transformer(nn.Module):
         dtype_key = "dtype" if "dtype" in self.hf_config else "torch_dtype"
         hf_config = self.hf_config | {dtype_key: str(dtype).removeprefix("torch.")}
         (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        merged = {f"{name}.weight": layer.merged_weight() for name, layer in self.adapted_layers().items()}
         tensors = {
-            hf_name(name): tensor.detach().to("cpu").contiguous()
+            hf_name(name): merged.get(name, tensor).detach().to("cpu").contiguous()
             for name, tensor in self.state_dict().items()
-            if not (self.config.tie_word_embeddings and name == "lm_head.weight")
+            if not (self.config.tie_word_embeddings and name == "lm_head.weight") and ".lora_" not in name
         }
         write_safetensors(tensors, out_dir, max_shard_bytes)
+
+
+PEFT_PREFIX = "base_model.model."  # PeftModel's names for the wrapped transformers model's weights
+
+
+def read_adapter_config(adapter_dir) -> dict:
+    """A PEFT LoRA adapter's adapter_config.json; what this model cannot compute is refused by name."""
+    config = json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    problems = [f"{key}={config.get(key)!r}" for key, allowed in (("peft_type", "LORA"), ("bias", "none"),
+                ("use_rslora", False), ("use_dora", False)) if config.get(key, allowed) != allowed]
+    target = config.get("target_modules")
+    if not isinstance(target, list) or not set(target) <= set(ADAPTER_LAYERS):
+        problems.append(f"target_modules={target!r} (this model adapts {', '.join(ADAPTER_LAYERS)})")
+    if config.get("rank_pattern") or config.get("alpha_pattern") or config.get("layers_to_transform") is not None:
+        problems.append("a rank, alpha or layer pattern (one rank and alpha for all layers here)")
+    if problems:
+        raise ValueError(f"{adapter_dir}: a LoRA adapter this model cannot load: {'; '.join(problems)}")
+    return config
+
+
+class WithoutAdapters:
+    """Calls a model with its LoRA adapters off: the base model they train beside, for no memory of its own (the
+    KL reference of a LoRA run)."""
+
+    def __init__(self, model: Transformer):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        with self.model.adapters_disabled():
+            return self.model(*args, **kwargs)
 
 
 def weights_hint(hf_config: dict, missing: set[str]) -> str:

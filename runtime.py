@@ -16,7 +16,7 @@ import config as config_lib
 import distributed
 import inputs
 from config import ModelSetup
-from qwen2_model import Transformer
+from qwen2_model import Transformer, read_adapter_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -109,18 +109,36 @@ def set_rng_state(state: dict) -> None:
 
 
 def load_model(setup: ModelSetup, device: torch.device, model_dir=None) -> Transformer:
-    """The model of `model_dir` (default: setup.dir) on `device`, in the configured dtype."""
+    """The model of `model_dir` (default: setup.dir) on `device`, in the configured dtype. A LoRA adapter (a PEFT
+    adapter directory, or a LoRA run's checkpoint before its last step) is the model it stands for: its base model
+    with the adapter merged into the weights."""
     model_dir = Path(model_dir or setup.dir)
-    inputs.read_hf_config(model_dir)  # what from_pretrained reads, each mistake named with its fix
-    inputs.weight_files(model_dir)
+    adapter = inputs.adapter_dir(model_dir)
+    weights_dir = inputs.weights_dir(model_dir)
+    inputs.read_hf_config(weights_dir)  # what from_pretrained reads, each mistake named with its fix
+    inputs.weight_files(weights_dir)
     try:
-        model = Transformer.from_pretrained(model_dir, device=device, dtype=DTYPES[setup.dtype])
+        model = Transformer.from_pretrained(weights_dir, device=device, dtype=DTYPES[setup.dtype])
+        if adapter:
+            merge_adapter(model, adapter)
     except SafetensorError as error:  # its message names no file: find the one that is damaged
-        damaged = next((file for file in sorted(model_dir.glob("*.safetensors")) if not _readable(file)), model_dir)
+        files = sorted([*weights_dir.glob("*.safetensors"), *(adapter.glob("*.safetensors") if adapter else [])])
+        damaged = next((file for file in files if not _readable(file)), model_dir)
         raise config_lib.DataError(f"{damaged} cannot be read ({error}): truncated or damaged; copy or download it "
                                    f"again, or resume from another checkpoint") from None
     model.gradient_checkpointing = setup.gradient_checkpointing
     return model
+
+
+def merge_adapter(model: Transformer, adapter: Path) -> None:
+    """The LoRA adapter in `adapter` folded into the model's weights."""
+    try:
+        saved = read_adapter_config(adapter)
+        model.add_adapters(saved["r"], saved["lora_alpha"], saved["target_modules"])
+        model.load_adapter(adapter)
+    except ValueError as error:  # settings or tensors this model cannot take
+        raise config_lib.DataError(str(error)) from None
+    model.merge_adapters()
 
 
 def _readable(safetensors_file: Path) -> bool:
@@ -131,12 +149,18 @@ def _readable(safetensors_file: Path) -> bool:
         return False
 
 
-def load_policy(setup: ModelSetup, model_dir, device: torch.device, fsdp: bool) -> tuple[Transformer, torch.nn.Module]:
+def load_policy(setup: ModelSetup, model_dir, device: torch.device, fsdp: bool, *, adapter_dir: Path | None = None,
+                seed: int = 0) -> tuple[Transformer, torch.nn.Module]:
     """(model, policy): the model for generation, evaluation and saving, and the module the update runs
-    (DDP or FSDP2 under torchrun; see distributed.training_model)."""
+    (DDP or FSDP2 under torchrun; see distributed.training_model). With model.lora, the model is frozen and
+    carries the adapters that train: new ones (from `seed`), or a resumed run's, read from `adapter_dir`."""
     # FSDP: load on the CPU, and each block moves to the device already sharded.
     shard = fsdp and distributed.is_initialized()
     model = load_model(setup, torch.device("cpu") if shard else device, model_dir)
+    if setup.lora.enabled:
+        model.add_adapters(setup.lora.rank, setup.lora.alpha, setup.lora.layers, seed=seed)
+        if adapter_dir:
+            model.load_adapter(adapter_dir)
     return model, distributed.training_model(model, device, fsdp)
 
 

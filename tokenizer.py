@@ -7,7 +7,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as RustTokenizer
 
 from config import DataError
-from inputs import check_tokenizer_files, read_json
+from inputs import check_tokenizer_files, read_json, tokenizer_dir
 
 
 def _token_text(value) -> str | None:
@@ -21,7 +21,7 @@ def _raise_template_error(message: str):
 
 class Tokenizer:
     def __init__(self, model_dir):
-        model_dir = Path(model_dir)
+        model_dir = tokenizer_dir(Path(model_dir))  # a LoRA adapter without tokenizer files: its base model's
         tokenizer_path = model_dir / "tokenizer.json"
         config_path = model_dir / "tokenizer_config.json"
         check_tokenizer_files(model_dir)

@@ -59,11 +59,15 @@ def check_inputs(config: TrainConfig, checkpoint_dir: Path | None) -> bool:
     """Model, data, the directories the run writes and the lengths the model allows, checked before torch loads:
     a mistake is answered at once and creates nothing. Returns whether the lengths could be checked (a model the
     bootstrap builds is checked as it loads)."""
-    inputs.check_model_and_data(config.task, None if checkpoint_dir else config.model, bootstrap=config.bootstrap)
-    model_dir = Path(checkpoint_dir or config.model.dir)  # resuming, the checkpoint is the model
+    # Resuming, the checkpoint is the model; a LoRA run's holds only its adapters, which go on model.dir.
+    from_checkpoint = checkpoint_dir and not config.model.lora.enabled
+    inputs.check_model_and_data(config.task, None if from_checkpoint else config.model, bootstrap=config.bootstrap)
+    model_dir = Path(checkpoint_dir if from_checkpoint else config.model.dir)
     if not model_dir.exists():  # check_model_and_data: the bootstrap builds it; its warm-up's config, now
         config_lib.warm_up_config(config.bootstrap, config.task, config.model.dir)
     hf_config = inputs.read_hf_config(model_dir) if model_dir.is_dir() else {}
+    if hf_config:
+        config.model.lora.check_width(hf_config)
     if "max_position_embeddings" in hf_config:
         config.validate_for_model(hf_config["max_position_embeddings"])
     for key, directory in (("checkpoint.dir", config.checkpoint.dir), ("logging.log_dir", config.logging.log_dir)):
@@ -82,6 +86,7 @@ from data_types import Episode, QuestionBatch
 from evaluate import run_evaluation
 from grpo import compute_advantages, overlong_penalty, rollout, sample_step, shape_rewards, update_policy
 from optimizer import new_adamw
+from qwen2_model import WithoutAdapters
 from run_logging import log_to_console
 from runtime import load_model, load_policy, step_indices
 from training_run import RunStopped, TrainingRun, exit_on_interrupt
@@ -170,12 +175,17 @@ def train_from(plan: checkpoint.RunPlan) -> dict:
         train_set, test_set = (tasks.load_dataset(config.task, tokenizer, split) for split in ("train", "test"))
         check_prompts_fit(train_set, config.rollout.max_prompt_len)
         reward = tasks.get(config.task).reward
-        model, policy = load_policy(config.model, run.model_dir, run.device, config.distributed.fsdp)
         if not plan.lengths_checked:  # a model the bootstrap just built
+            config.model.lora.check_width(inputs.read_hf_config(run.model_dir))
+        model, policy = load_policy(config.model, run.model_dir, run.device, config.distributed.fsdp,
+                                    adapter_dir=run.adapter_dir, seed=config.seed)
+        if not plan.lengths_checked:
             config.validate_for_model(model.config.max_position_embeddings)
         reference_model = None
-        if config.loss.kl_beta:  # the KL anchor: the initial policy (model.dir, also on resume), frozen, same dtype
-            reference_model = load_model(config.model, run.device).requires_grad_(False).eval()
+        if config.loss.kl_beta:  # the KL anchor: the initial policy (model.dir, also on resume), frozen, same dtype;
+            # with LoRA that is the model with its adapters off: no second copy of the weights
+            reference_model = (WithoutAdapters(model) if config.model.lora.enabled
+                               else load_model(config.model, run.device).requires_grad_(False).eval())
         optimizer = new_adamw(model.parameters(), config.optim)
         optimizer_step = distributed.OptimizerStep(policy, optimizer, config.optim.max_grad_norm)
         generator = torch.Generator(device=run.device).manual_seed(config.seed + distributed.rank())

@@ -66,14 +66,17 @@ def plan_run(config: SFTConfig, resume: str | None = None, overwrite: bool = Fal
 
 
 def check_inputs(config: SFTConfig, resuming: bool = False) -> None:
-    """The model (resuming: the checkpoint is the model), the pairs' files or the task's data, and the
-    directories written, before torch loads."""
+    """The model (resuming: the checkpoint is the model, except that a LoRA run's adapters go on model.dir), the
+    pairs' files or the task's data, and the directories written, before torch loads."""
     # The pairs come from the JSONL files or from the task's training split (then with its reference solutions);
     # the evaluations may answer the task's questions. Hub ids are fetched here.
     splits = (() if config.data.train_jsonl else ("train",)) + (
         ("test",) if answers_task_questions(config) and (config.data.train_jsonl or config.data.eval_jsonl) else ())
-    inputs.check_model_and_data(config.task if splits else None, None if resuming else config.model, splits=splits,
+    model = None if resuming and not config.model.lora.enabled else config.model
+    inputs.check_model_and_data(config.task if splits else None, model, splits=splits,
                                 with_solutions=not config.data.train_jsonl)
+    if model:
+        config.model.lora.check_width(inputs.read_hf_config(Path(model.dir)))
     for key in ("train_jsonl", "eval_jsonl"):
         if getattr(config.data, key):
             with inputs.named(f"data.{key}"):
@@ -265,7 +268,8 @@ def train_sft_from(plan: checkpoint.RunPlan) -> dict:
         tokenizer = Tokenizer(run.model_dir)  # the data before the model: a data error comes before minutes of loading
         train_examples, eval_examples = load_examples(config, tokenizer)
         eval_set = task_eval_set(config, tokenizer) if answers_task_questions(config) else None
-        model, policy = load_policy(config.model, run.model_dir, run.device, config.distributed.fsdp)
+        model, policy = load_policy(config.model, run.model_dir, run.device, config.distributed.fsdp,
+                                    adapter_dir=run.adapter_dir, seed=config.seed)
         optimizer = new_adamw(model.parameters(), config.optim)
         optimizer_step = distributed.OptimizerStep(policy, optimizer, config.optim.max_grad_norm)
         metrics = run.restore(model, optimizer).get("metrics", {})

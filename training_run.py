@@ -48,7 +48,11 @@ class TrainingRun:
         self.plan, self.config, self.script, self.checkpoint_last_step = plan, config, script, checkpoint_last_step
         self.device = set_up_process(config.device, config.cpu_threads, config.seed)
         self.checkpoint_dir = plan.checkpoint_dir
-        self.model_dir = self.checkpoint_dir or Path(config.model.dir)  # a checkpoint is a complete model directory
+        # The weights the run loads: a checkpoint is a complete model directory, except a LoRA run's, whose
+        # adapters (adapter_dir) go on model.dir again.
+        lora = config.model.lora.enabled
+        self.model_dir = Path(config.model.dir) if lora or not self.checkpoint_dir else self.checkpoint_dir
+        self.adapter_dir = self.checkpoint_dir / checkpoint.ADAPTER_SUBDIR if lora and self.checkpoint_dir else None
         # The ranks' plans each named a new run after their own clock: rank 0's name is the run's.
         config.run_name = distributed.all_gather(config.run_name)[0]
         self.directory = Path(config.checkpoint.dir) / config.run_name
@@ -151,12 +155,15 @@ def save_checkpoint(config: TrainConfig | SFTConfig, step: int, model, optimizer
                                                                  "rng": rng_state()}), **(extra_state or {})}
     if distributed.is_main_process():
         run_directory = Path(config.checkpoint.dir) / config.run_name
-        weights = {tensor.data_ptr(): tensor for tensor in savable.state_dict().values()}  # tied ones once
+        # A LoRA run's checkpoints hold its adapters, and the merged model only when it ends (the last step).
+        merged = not config.model.lora.enabled or step == config.optim.num_steps
+        tensors = savable.state_dict().values() if merged else savable.adapter_tensors().values()
+        weights = {tensor.data_ptr(): tensor for tensor in tensors}  # tied ones once
         try:
             checkpoint.make_room(run_directory, f"step_{step:06d}", tensor_bytes(weights) + tensor_bytes(trainer_state),
                                  config.checkpoint.keep_last)
             path = checkpoint.save(run_directory / f"step_{step:06d}", savable, model_dir, run_config=config,
-                                   trainer_state=trainer_state)
+                                   trainer_state=trainer_state, weights=merged)
         except checkpoint.CheckpointError as error:  # no room, a full disk, a directory gone read-only
             raise checkpoint.CheckpointError(f"{error}; once it can be written, continue the run with "
                                              f"--resume {run_directory}") from None

@@ -6,6 +6,7 @@ because each rank takes tens of seconds just to import torch on a small CI machi
 """
 
 import copy
+import itertools
 import os
 import shlex
 import subprocess
@@ -56,7 +57,7 @@ def group_episodes() -> list[list[Episode]]:
 def sgd_update(model, episodes: list[Episode], aggregation: str, fsdp: bool = False) -> dict[str, float]:
     """One update as train.py runs it: DDP (or FSDP) under torchrun, the plain model otherwise."""
     policy = distributed.training_model(model, torch.device("cpu"), fsdp)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    optimizer = torch.optim.SGD([param for param in model.parameters() if param.requires_grad], lr=LEARNING_RATE)
     loss_config = LossConfig(aggregation=aggregation)
     advantages = compute_advantages(episodes, loss_config)
     return update_policy(policy, distributed.OptimizerStep(policy, optimizer, MAX_GRAD_NORM[aggregation]), episodes,
@@ -73,20 +74,33 @@ def digit_reward(response, item, end_token):
 # ----------------------------------------------------------------------------- what each rank runs
 
 
+def with_adapters(model: Transformer) -> Transformer:
+    """LoRA adapters on every layer, B moved off zero (as after some training) so that A has a gradient too."""
+    model.add_adapters(2, 4.0, seed=5)
+    generator = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for layer in model.adapted_layers().values():
+            layer.lora_B.weight.copy_(torch.randn(layer.lora_B.weight.shape, generator=generator) * 0.1)
+    return model
+
+
 def rank_updates(model_dir: str, out_file: str) -> None:
     """One update of each kind from this rank's groups; rank 0 saves the gathered parameters and metrics."""
     groups = group_episodes()
     # Data parallel gets uneven shares (3 groups and 1; 4 and none, as when filtering leaves a rank
     # nothing): the global normalisation must still make it exact. FSDP runs its collectives in every
-    # forward, so every rank needs as many micro-batches: 2 groups and 2.
+    # forward, so every rank needs as many micro-batches: 2 groups and 2. The _lora modes train adapters only.
     shares = {"data_parallel": [groups[:3], groups[3:]], "data_parallel_empty_rank": [groups, []],
               "fsdp": [groups[:2], groups[2:]]}
+    shares |= {"data_parallel_lora": shares["data_parallel"], "fsdp_lora": shares["fsdp"]}
     results = {}
     for mode, rank_groups in shares.items():
         for aggregation in MAX_GRAD_NORM:
             model = Transformer.from_pretrained(model_dir, dtype=torch.float32)
+            if mode.endswith("_lora"):
+                with_adapters(model)
             episodes = [episode for group in rank_groups[distributed.rank()] for episode in group]
-            metrics = sgd_update(model, episodes, aggregation, fsdp=mode == "fsdp")
+            metrics = sgd_update(model, episodes, aggregation, fsdp=mode.startswith("fsdp"))
             savable = distributed.savable_model(model)
             if distributed.is_main_process():
                 results[mode, aggregation] = ({name: p.detach().clone() for name, p in savable.named_parameters()},
@@ -165,11 +179,12 @@ def ranks_output(tmp_path_factory, tiny_model_dir, countdown_dir) -> Path:
     """One two-process launch: the updates, GRPO runs with and without FSDP, an FSDP run cut after
     one step and resumed, and an SFT run."""
     out = tmp_path_factory.mktemp("ranks")
-    for name, fsdp in (("data_parallel", False), ("fsdp", True), ("fsdp_resumed", True)):
+    for name, fsdp in (("data_parallel", False), ("fsdp", True), ("fsdp_resumed", True), ("fsdp_lora", True)):
         grpo_config(out, name, tiny_model_dir, countdown_dir, fsdp)
     runs = [
         f"train --config {out / 'data_parallel.yaml'}",
         f"train --config {out / 'fsdp.yaml'}",
+        f"train --config {out / 'fsdp_lora.yaml'} --set model.lora.rank=2 --set optim.learning_rate=0.05",
         f"train --config {out / 'fsdp_resumed.yaml'} --set optim.num_steps=1",
         f"train --config {out / 'fsdp_resumed.yaml'} --resume {out / 'fsdp_resumed' / 'checkpoints' / 'tiny'}",
         f"sft --config {sft_config(out, tiny_model_dir, countdown_dir)}",
@@ -189,17 +204,20 @@ def test_two_rank_update_equals_single_process(ranks_output, tiny_model_dir):
     results = torch.load(ranks_output / "updates.pt")
     initial = Transformer.from_pretrained(tiny_model_dir, dtype=torch.float32)
     all_episodes = [episode for group in group_episodes() for episode in group]
-    for aggregation in MAX_GRAD_NORM:
-        expected = copy.deepcopy(initial)
+    for aggregation, lora in itertools.product(MAX_GRAD_NORM, (False, True)):
+        expected = with_adapters(copy.deepcopy(initial)) if lora else copy.deepcopy(initial)
         expected_metrics = sgd_update(expected, all_episodes, aggregation)
         assert expected_metrics["grad_norm"] > MAX_GRAD_NORM["sequence"]
-        for mode in ("data_parallel", "data_parallel_empty_rank", "fsdp"):
+        modes = ("data_parallel_lora", "fsdp_lora") if lora else ("data_parallel", "data_parallel_empty_rank", "fsdp")
+        for mode in modes:
             parameters, metrics = results[mode, aggregation]
             for name, param in expected.named_parameters():
                 assert torch.allclose(parameters[name], param, rtol=0, atol=1e-6), (mode, aggregation, name)
             for key in ("loss", "grad_norm", "entropy", "advantage_abs_mean"):  # the loss is ~0 on-policy: abs
                 assert metrics[key] == pytest.approx(expected_metrics[key], rel=1e-5, abs=1e-6), (mode, key)
-        moved = max((p - q).abs().max().item() for p, q in zip(expected.parameters(), initial.parameters()))
+        moved = max((p - q).abs().max().item() for p, q in zip(expected.state_dict().values(),
+                                                               with_adapters(copy.deepcopy(initial)).state_dict().values()
+                                                               if lora else initial.state_dict().values()))
         assert moved > 1e-4  # the update did something to compare
 
 
@@ -231,6 +249,23 @@ def test_two_rank_training_run_logs_once_and_writes_one_loadable_checkpoint(rank
     generators = [rank_state["generator"] for rank_state in trainer_state["rng_per_rank"]]
     assert len(generators) == NUM_RANKS and not torch.equal(*generators)  # each rank's own sampling state
     assert len(trainer_state["optimizer"]["state"]) == len(list(ours.parameters()))  # whole, not one shard
+
+
+@pytest.mark.slow
+def test_fsdp_lora_run_writes_its_adapter_and_the_merged_model(ranks_output, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    last = ranks_output / "fsdp_lora" / "checkpoints" / "tiny" / "step_000002"
+    merged = AutoModelForCausalLM.from_pretrained(last, dtype=torch.float32)
+    by_hand = Transformer.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    by_hand.add_adapters(2, 32.0)
+    by_hand.load_adapter(last / "adapter")  # gathered from the shards: whole
+    tokens = torch.randint(0, 400, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (merged(tokens).logits - by_hand(tokens)).abs().max() <= 1e-4
+        assert max(layer.lora_B.weight.abs().max() for layer in by_hand.adapted_layers().values()) > 0  # trained
+    trainer_state = torch.load(last / "trainer_state.pt", weights_only=False)
+    assert len(trainer_state["optimizer"]["state"]) == 2 * 7 * 2  # the adapters' moments only
 
 
 @pytest.mark.slow

@@ -619,16 +619,28 @@ def test_every_preset_states_its_whole_algorithm_and_means_it_over_any_base(base
             "loss.clip": "none", "loss.clip_range_high": None, "loss.kl_beta": 0.0}
 
 
+def changed_weights(before, after) -> list[str]:
+    """The names of the weights that differ between two model directories."""
+    first, second = (Transformer.from_pretrained(path, dtype=torch.float32).state_dict() for path in (before, after))
+    return [name.removesuffix(".weight") for name in first if not torch.equal(first[name], second[name])]
+
+
 def preset_overrides(name: str) -> list[str]:
     return [f"{key}={json.dumps(value)}" for key, value in ablate.flatten(config_lib.read_yaml(VARIANTS / f"{name}.yaml")).items()]
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("name", sorted(PRESETS))
-def test_each_preset_trains_two_steps_through_train_py(name, tmp_path, tiny_model_dir, countdown_dir, digit_reward):
+def test_each_preset_trains_two_steps_through_train_py(name, lora, tmp_path, tiny_model_dir, countdown_dir,
+                                                       digit_reward):
+    adapters = ["model.lora.rank=2", "optim.learning_rate=0.05"] if lora else []
     config = tiny_config(tmp_path, tiny_model_dir, countdown_dir, *preset_overrides(name), "optim.num_steps=2",
-                         "eval.interval=0", "checkpoint.interval=0")
+                         "eval.interval=0", "checkpoint.interval=0", *adapters)
     train.train(config)
+    if lora:  # only the adapters trained: the merged model differs from the base in the adapted weights only
+        changed = changed_weights(tiny_model_dir, tmp_path / "checkpoints" / "tiny" / "step_000002")
+        assert changed and all(name.endswith(config_lib.LORA_LAYERS) for name in changed)
     scalars = read_scalars(tmp_path / "logs" / "tiny")
     assert [step for step, _ in scalars["train/loss"]] == [1, 2]
     assert all(math.isfinite(value) for _, value in scalars["train/loss"] + scalars["train/grad_norm"])

@@ -98,7 +98,9 @@ def test_a_new_run_refuses_an_earlier_runs_files_unless_overwrite(tmp_path):
 
 
 class Weights:
-    """What checkpoint.save needs of a model: save_pretrained."""
+    """What checkpoint.save needs of a model: save_pretrained, and its adapter_settings (none)."""
+
+    adapter_settings = None
 
     def __init__(self, value: str):
         self.value = value
