@@ -1,13 +1,16 @@
-"""Device memory plan for GRPO on Qwen2.5-3B under config.yaml and config_24GB.yaml, from arithmetic.
+"""Device memory plan for GRPO on Qwen2.5-3B under config.yaml, config_24GB.yaml and LoRA, from arithmetic.
 
 Training alternates three phases, and the device must hold the largest of them:
   rollout    weights (+ AdamW moments unless offloaded) + the KV cache of every episode being sampled
   update     weights + gradients (+ moments) + checkpointed activations + one logits chunk
   optimizer  weights + gradients (+ moments + torch's foreach temporaries) while AdamW steps
-Gradients do not exist during rollout: the update ends with zero_grad(set_to_none=True).
+Gradients do not exist during rollout: the update ends with zero_grad(set_to_none=True). With model.lora only
+the adapters (float32) have gradients and moments; the frozen weights have neither.
 Not counted: the CUDA context and allocator fragmentation (typically 0.5-1.5 GB together).
 
-    uv run python -m bench.memory_plan [--configs config.yaml config_24GB.yaml]
+    uv run python -m bench.memory_plan [--configs config.yaml config_24GB.yaml config_24GB.yaml+configs/lora.yaml]
+
+A config written A+B is B merged over A, as `train.py --config A --config B` reads it.
 """
 
 import argparse
@@ -15,12 +18,12 @@ import sys
 from pathlib import Path
 
 import torch
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also run as a file: uv run bench/memory_plan.py
 
-from bench.report import emit_json
-from qwen2_model import ModelConfig, Transformer
+import config as config_lib  # noqa: E402
+from bench.report import emit_json  # noqa: E402
+from qwen2_model import ModelConfig, Transformer  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 QWEN25_3B = ModelConfig(
@@ -30,10 +33,15 @@ QWEN25_3B = ModelConfig(
 GB = 1e9
 
 
-def parameter_count(config: ModelConfig) -> int:
-    """Exact, from the model itself built on the meta device (the tied head counted once)."""
+def parameter_counts(config: ModelConfig, lora: dict) -> tuple[int, int]:
+    """(all, trainable) weights, exact, from the model itself built on the meta device (the tied head counted once),
+    with its LoRA adapters when model.lora has a rank (then only they train)."""
     with torch.device("meta"):
-        return sum(param.numel() for param in Transformer(config).parameters())
+        model = Transformer(config)
+        if lora["rank"]:
+            model.add_adapters(lora["rank"], lora["alpha"], lora["layers"])
+    parameters = list(model.parameters())
+    return sum(p.numel() for p in parameters), sum(p.numel() for p in parameters if p.requires_grad)
 
 
 def block_activation_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
@@ -52,13 +60,15 @@ def plan(config: ModelConfig, settings: dict) -> dict:
     dtype_bytes = torch.empty((), dtype=getattr(torch, settings["model"]["dtype"])).element_size()
     rollout, optim = settings["rollout"], settings["optim"]
     offloaded = optim["memory_efficient_adamw"]
-    num_params = parameter_count(config)
-    weights = num_params * dtype_bytes
-    gradients = num_params * dtype_bytes
+    num_params, trainable = parameter_counts(config, settings["model"]["lora"])
+    lora = bool(settings["model"]["lora"]["rank"])
+    trained_bytes = 4 if lora else dtype_bytes  # adapters are float32
+    weights = (num_params - trainable) * dtype_bytes + trainable * trained_bytes if lora else num_params * dtype_bytes
+    gradients = trainable * trained_bytes
     # Not offloaded, the optimizer is torch's AdamW math on the device, moments in the parameters' dtype.
-    moments = 0 if offloaded else 2 * num_params * dtype_bytes
+    moments = 0 if offloaded else 2 * trainable * trained_bytes
     # torch's foreach AdamW builds sqrt(exp_avg_sq) for all parameters at once before its update.
-    optimizer_temporaries = 0 if offloaded else num_params * dtype_bytes
+    optimizer_temporaries = 0 if offloaded else trainable * trained_bytes
 
     seq_len = rollout["max_prompt_len"] + rollout["max_gen_len"]
     tokens = optim["micro_batch_size"] * seq_len
@@ -95,9 +105,9 @@ def plan(config: ModelConfig, settings: dict) -> dict:
         update=weights + gradients + moments + activations + logits_chunk,
         optimizer=weights + gradients + moments + optimizer_temporaries,
     )
-    host = dict(adamw_moments_fp32_in_cpu_ram=2 * num_params * 4 if offloaded else 0)
+    host = dict(adamw_moments_fp32_in_cpu_ram=2 * trainable * 4 if offloaded else 0)
     return dict(
-        parameters=num_params, dtype_bytes=dtype_bytes, rollout_rows=rows, cache_len=cache_len,
+        parameters=num_params, trainable_parameters=trainable, dtype_bytes=dtype_bytes, rollout_rows=rows, cache_len=cache_len,
         micro_batch_tokens=tokens, components=components, phases=phases, peak=max(phases.values()),
         peak_phase=max(phases, key=phases.get), host=host,
     )
@@ -107,7 +117,9 @@ def print_table(plans: dict) -> None:
     names = list(plans)
     first = plans[names[0]]
     print(
-        f"Qwen2.5-3B: {first['parameters'] / 1e9:.3f}e9 parameters; {first['rollout_rows']} episodes x {first['cache_len']} "
+        f"Qwen2.5-3B: {first['parameters'] / 1e9:.3f}e9 parameters (trained: " + ", ".join(
+            f"{name} {plans[name]['trainable_parameters'] / 1e6:,.1f}M" for name in names) +
+        f"); {first['rollout_rows']} episodes x {first['cache_len']} "
         f"cache slots in rollout; update micro-batch {first['micro_batch_tokens']} tokens. GB = 1e9 bytes."
     )
     print("| component | " + " | ".join(names) + " |")
@@ -122,10 +134,15 @@ def print_table(plans: dict) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", nargs="+", type=Path, default=[REPO_ROOT / "config.yaml", REPO_ROOT / "config_24GB.yaml"])
+    parser.add_argument("--configs", nargs="+", default=["config.yaml", "config_24GB.yaml",
+                                                         "config_24GB.yaml+configs/lora.yaml"],
+                        help="config files (from the repository root), A+B for B merged over A")
     parser.add_argument("--json-out", type=Path, help="also write the JSON report here")
     args = parser.parse_args(argv)
-    plans = {path.name: plan(QWEN25_3B, yaml.safe_load(path.read_text())) for path in args.configs}
+    plans = {}
+    for name in args.configs:
+        config = config_lib.load(config_lib.TrainConfig, [REPO_ROOT / part for part in name.split("+")])
+        plans[name] = plan(QWEN25_3B, config_lib.to_dict(config))
     print_table(plans)
     emit_json(plans, args.json_out)
     return plans

@@ -174,6 +174,15 @@ def test_memory_plan_matches_hand_arithmetic(capsys):
     for plan in (big, small):
         assert plan["peak"] == max(plan["phases"].values())
     assert small["peak"] < 24e9 < big["peak"] < 48e9
+    # LoRA rank 1 on q, k, v, o (in + out each), gate, up (hidden + intermediate) and down: float32, with
+    # gradients and moments; the weights frozen (no gradient, no moment) and not offloaded.
+    lora = report["config_24GB.yaml+configs/lora.yaml"]
+    adapters = 36 * (2 * 2 * hidden + 2 * (hidden + kv_width) + 3 * (hidden + intermediate))
+    assert lora["trainable_parameters"] == adapters
+    assert lora["components"]["weights"] == 2 * num_params + 4 * adapters
+    assert lora["components"]["gradients"] == 4 * adapters and lora["components"]["adamw_moments"] == 8 * adapters
+    assert lora["host"]["adamw_moments_fp32_in_cpu_ram"] == 0
+    assert lora["peak"] == lora["phases"]["rollout"] < 24e9 - 4e9  # 4 GB left beside the rollout
 
 
 def test_variants_table_gives_mean_min_max_over_seeds(tmp_path):
