@@ -14,7 +14,13 @@ torch.mm reaches on this machine with the config's threads, measured before and 
 
 --compare REV checks REV out (git worktree, in a temporary directory) and runs the same children there,
 interleaved with this tree's, round by round: the step's API (train.sample_step, grpo.answer_log_probs,
-distributed.OptimizerStep) must be the same in both. The median of --rounds rounds is reported.
+distributed.OptimizerStep) must be the same in both. --variant LABEL=KEY=VALUE,KEY=VALUE runs this tree once
+more per variant with those overrides on top, interleaved the same way (LoRA against full fine-tuning). The
+median of --rounds rounds is reported, with each run's peak RSS (the whole GRPO process: loading included).
+
+LoRA and bfloat16 against full fine-tuning on the SmolLM2 recipe:
+    uv run bench/step.py --config configs/smollm2_cpu.yaml --set model.dir=SFT_MODEL_DIR --set task.data_dir=DATA \
+        --variant lora=model.lora.rank=1 --variant lora+bf16=model.lora.rank=1,model.dtype=bfloat16 --rounds 3
 
 The SmolLM2 recipe needs its SFT model (GRPO from the base model sees no reward and skips the update):
     uv run bench/step.py --config configs/smollm2_cpu.yaml --set model.dir=SFT_MODEL_DIR --set task.data_dir=DATA
@@ -81,7 +87,13 @@ class StageTimer:
 
 
 def log_prob_stage(model, *args, **kwargs) -> str:
-    return "logprob_forward" if any(p.requires_grad for p in model.parameters()) else "reference"
+    return "logprob_forward" if torch_grad_enabled() else "reference"  # the KL anchor's forward runs without grad
+
+
+def torch_grad_enabled() -> bool:
+    import torch
+
+    return torch.is_grad_enabled()
 
 
 def child(args: argparse.Namespace) -> None:
@@ -138,39 +150,44 @@ def child(args: argparse.Namespace) -> None:
                     f"--set=optim.num_steps={args.warmup_steps + args.steps}", "--set=eval.interval=0",
                     "--set=checkpoint.interval=0", f"--set=checkpoint.dir={scratch}/checkpoints",
                     f"--set=logging.log_dir={scratch}/logs", "--set=run_name=step-bench", "--set=progress=false"])
+    import resource
+
     print(json.dumps({"steps": len(step_seconds), "step_seconds": sum(step_seconds) / len(step_seconds),
                       "stages": {name: timer.seconds[name] / len(step_seconds) for name in STAGES},
-                      "flops": sum(flops) / len(flops) if flops else None}))
+                      "flops": sum(flops) / len(flops) if flops else None,
+                      "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
-def run_child(tree: Path, args: argparse.Namespace, count_flops: bool) -> dict:
+def run_child(tree: Path, overrides: list[str], args: argparse.Namespace, count_flops: bool) -> dict:
     command = [sys.executable, str(Path(__file__).resolve()), "--child", "--config", args.config,
                "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
-               *[f"--set={s}" for s in args.set], *(["--count-flops"] if count_flops else [])]
+               *[f"--set={s}" for s in args.set + overrides], *(["--count-flops"] if count_flops else [])]
     done = subprocess.run(command, cwd=tree, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"the step run in {tree} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure(trees: dict[str, Path], args: argparse.Namespace) -> dict[str, dict]:
-    timings: dict[str, list[dict]] = {label: [] for label in trees}
-    for round_index in range(args.rounds):  # interleaved, so a slow spell of the machine hits every tree
-        for label, tree in trees.items():
+def measure(runs: dict[str, tuple[Path, list[str]]], args: argparse.Namespace) -> dict[str, dict]:
+    """runs: label -> (tree, overrides on top of --set)."""
+    timings: dict[str, list[dict]] = {label: [] for label in runs}
+    for round_index in range(args.rounds):  # interleaved, so a slow spell of the machine hits every run
+        for label, (tree, overrides) in runs.items():
             print(f"  round {round_index + 1}/{args.rounds}: {label}", file=sys.stderr, flush=True)
-            timings[label].append(run_child(tree, args, count_flops=False))
+            timings[label].append(run_child(tree, overrides, args, count_flops=False))
     results = {}
-    for label, tree in trees.items():
-        flops = run_child(tree, args, count_flops=True)["flops"]
-        runs = timings[label]
-        median = sorted(runs, key=lambda run: run["step_seconds"])[(len(runs) - 1) // 2]  # a run, not an average
-        results[label] = {"step_seconds": median["step_seconds"], "stages": median["stages"],
-                          "step_seconds_all": [run["step_seconds"] for run in runs], "gflops_per_step": flops / 1e9}
+    for label, (tree, overrides) in runs.items():
+        flops = run_child(tree, overrides, args, count_flops=True)["flops"]
+        timed = timings[label]
+        median = sorted(timed, key=lambda run: run["step_seconds"])[(len(timed) - 1) // 2]  # a run, not an average
+        results[label] = {"step_seconds": median["step_seconds"], "stages": median["stages"], "overrides": overrides,
+                          "step_seconds_all": [run["step_seconds"] for run in timed], "gflops_per_step": flops / 1e9,
+                          "peak_rss_mib_all": [run["peak_rss_mib"] for run in timed]}
     return results
 
 
 def table(results: dict[str, dict], limit: float) -> str:
-    header = ["tree", "step s", *STAGES, "other", "GFLOP/step", "GFLOP/s", "of limit"]
+    header = ["run", "step s", *STAGES, "other", "GFLOP/step", "GFLOP/s", "of limit", "peak RSS MiB"]
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for label, result in results.items():
         stages = result["stages"]
@@ -178,10 +195,11 @@ def table(results: dict[str, dict], limit: float) -> str:
         cells = [label, f"{result['step_seconds']:.2f}",
                  *[f"{stages[name]:.2f} ({100 * stages[name] / result['step_seconds']:.0f}%)" for name in STAGES],
                  f"{other:.2f}", f"{result['gflops_per_step']:.1f}",
-                 f"{result['gflops_per_step'] / result['step_seconds']:.1f}", f"{100 * result['fraction_of_limit']:.1f}%"]
+                 f"{result['gflops_per_step'] / result['step_seconds']:.1f}", f"{100 * result['fraction_of_limit']:.1f}%",
+                 f"{max(result['peak_rss_mib_all']):,.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
-    lines.append(f"\nSeconds per step (median of rounds), each stage's share in brackets; limit: torch.mm at "
-                 f"{limit:.0f} GFLOP/s.")
+    lines.append(f"\nSeconds per step (median of rounds), each stage's share in brackets; limit: torch.mm (float32) "
+                 f"at {limit:.0f} GFLOP/s; peak RSS: the largest of the rounds.")
     return "\n".join(lines)
 
 
@@ -193,6 +211,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup-steps", type=int, default=1, help="steps run first and not measured")
     parser.add_argument("--rounds", type=int, default=1, help="timed runs per tree, interleaved; the median is kept")
     parser.add_argument("--compare", metavar="REV", help="also time this git revision, side by side")
+    parser.add_argument("--variant", action="append", default=[], metavar="LABEL=KEY=VALUE[,KEY=VALUE]",
+                        help="also time this tree with these overrides, side by side (repeatable)")
     parser.add_argument("--out", help="write the results here as JSON")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--count-flops", action="store_true", help=argparse.SUPPRESS)
@@ -202,6 +222,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name} must be >= 1")
     if args.warmup_steps < 0:
         parser.error("--warmup-steps must be >= 0")
+    for variant in args.variant:
+        label, _, overrides = variant.partition("=")
+        if not label or "=" not in overrides:
+            parser.error(f"--variant {variant!r}: expected LABEL=section.key=value[,section.key=value]")
     return args
 
 
@@ -215,16 +239,19 @@ def main() -> None:
 
     threads = config_lib.load(TrainConfig, [str(REPO / args.config)], args.set).cpu_threads
     with tempfile.TemporaryDirectory() as scratch:
-        trees = {"this tree": REPO}
+        runs = {"this tree": (REPO, [])}
+        for variant in args.variant:
+            label, _, overrides = variant.partition("=")
+            runs[label] = (REPO, overrides.split(","))
         if args.compare:
             subprocess.run(["git", "worktree", "add", "--detach", f"{scratch}/tree", args.compare], cwd=REPO, check=True,
                            capture_output=True)
-            trees[args.compare] = Path(scratch) / "tree"
+            runs[args.compare] = (Path(scratch) / "tree", [])
             if (REPO / "artifacts").exists():  # the demo's bootstrapped data and models: the same for both trees
                 (Path(scratch) / "tree" / "artifacts").symlink_to(REPO / "artifacts")
         try:
             limit_before = matmul_limit_gflops(threads)
-            results = measure(trees, args)
+            results = measure(runs, args)
             limit = max(limit_before, matmul_limit_gflops(threads))
         finally:
             if args.compare:
