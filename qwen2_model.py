@@ -68,8 +68,10 @@ class ChunkLogProbs(torch.autograd.Function):
 def chunked_token_log_probs(hidden: torch.Tensor, targets: torch.Tensor, lm_head_weight: torch.Tensor,
                             chunk_size: int, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log p(targets), entropy or None), both [batch, seq], from final hidden states [batch, seq, hidden_size]."""
-    pieces = [ChunkLogProbs.apply(hidden[:, start : start + chunk_size], targets[:, start : start + chunk_size],
-                                  lm_head_weight, with_entropy)
+    # Each chunk contiguous: a strided slice would make F.linear broadcast the head into a batched matmul, which
+    # copies the whole vocabulary weight per call in bfloat16 on a CPU (0.5 s a chunk for SmolLM2).
+    pieces = [ChunkLogProbs.apply(hidden[:, start : start + chunk_size].contiguous(),
+                                  targets[:, start : start + chunk_size], lm_head_weight, with_entropy)
               for start in range(0, targets.shape[1], chunk_size)]
     log_probs, entropy = zip(*pieces)
     return torch.cat(log_probs, dim=1), torch.cat(entropy, dim=1) if with_entropy else None
@@ -316,8 +318,11 @@ class Linear(nn.Linear):
         out = super().forward(x)
         if not (self.adapter_scale and self.adapter_enabled):
             return out
-        low_rank = F.linear(F.linear(x, self.lora_A.weight.to(x.dtype)), self.lora_B.weight.to(x.dtype))
-        return out + self.adapter_scale * low_rank
+        down = F.linear(x, self.lora_A.weight.to(x.dtype))  # [..., rank]
+        # out + scale (x A^T) B^T as one fused matmul-add: no [tokens, out] temporary to write and read back
+        up = torch.addmm(out.reshape(-1, out.shape[-1]), down.reshape(-1, down.shape[-1]),
+                         self.lora_B.weight.to(x.dtype).T, alpha=self.adapter_scale)
+        return up.view(out.shape)
 
     def merged_weight(self) -> torch.Tensor:
         """W + (alpha / rank) B A, in W's dtype: the weight that computes what the layer and its adapter do."""
