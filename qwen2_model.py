@@ -332,6 +332,23 @@ class Linear(nn.Linear):
         return (self.weight.float() + delta).to(self.weight.dtype)
 
 
+def masked_grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of q [batch, heads, L, head_dim] over k, v [batch, kv_heads, S, head_dim] under a boolean mask
+    [batch, 1, L, S] (True: attend), for grouped-query attention (heads = groups x kv_heads).
+
+    On a GPU, SDPA's flash kernel takes no mask and its memory-efficient one no unequal head counts, so a mask
+    with enable_gqa falls back to the math kernel, which repeats K and V per query head. Instead each group of
+    query heads is folded into the query length ([batch, kv_heads, groups x L, head_dim], the mask tiled to
+    match): the same products, equal head counts, K and V never copied, and a fused kernel takes it."""
+    batch, heads, length, head_dim = q.shape
+    groups = heads // k.shape[1]
+    if groups == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    folded = q.reshape(batch, k.shape[1], groups * length, head_dim)  # query head h = kv head h // groups
+    tiled = mask.expand(batch, 1, length, mask.shape[-1]).repeat(1, 1, groups, 1)  # row g x L + l is row l
+    return F.scaled_dot_product_attention(folded, k, v, attn_mask=tiled).view(batch, heads, length, head_dim)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -369,8 +386,7 @@ class Attention(nn.Module):
         rows = torch.arange(x.shape[0], device=x.device)[:, None]
         cache_k[rows, positions] = k.transpose(1, 2)
         cache_v[rows, positions] = v.transpose(1, 2)
-        return self.output(F.scaled_dot_product_attention(
-            q, cache_k.transpose(1, 2), cache_v.transpose(1, 2), attn_mask=mask, enable_gqa=True))
+        return self.output(masked_grouped_attention(q, cache_k.transpose(1, 2), cache_v.transpose(1, 2), mask))
 
     def forward_with_prefix(self, prefix_x, x, prefix_rope, rope, mask, prefix_index):
         """Attention over prefixes [P, L] and the rows continuing them [batch, S] (row b continues prefix
@@ -381,7 +397,7 @@ class Attention(nn.Module):
         prefix_out = F.scaled_dot_product_attention(prefix_q, prefix_k, prefix_v, is_causal=True, enable_gqa=True)
         keys = torch.cat([prefix_k[prefix_index], k], dim=2)
         values = torch.cat([prefix_v[prefix_index], v], dim=2)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        out = masked_grouped_attention(q, keys, values, mask)
         return self.output(prefix_out), self.output(out)
 
 

@@ -125,6 +125,24 @@ def test_kv_cache_prefill_and_decode_match_full_forward(tiny_model_dir):
             assert (torch.stack(cached[row]) - full).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("heads, kv_heads, length", [(4, 2, 1), (8, 2, 5), (6, 6, 3), (14, 2, 4)])
+def test_masked_grouped_attention_is_attention_with_repeated_keys_and_values(heads, kv_heads, length):
+    """Folding each group of query heads into the query length computes what repeating K and V per head does:
+    a decode-shaped call (one query per row) and a prefix-shaped one, with rows of their own lengths."""
+    from qwen2_model import masked_grouped_attention
+
+    generator = torch.Generator().manual_seed(heads + length)
+    batch, slots, head_dim = 3, 9, 16
+    q = torch.randn(batch, heads, length, head_dim, generator=generator)
+    k, v = (torch.randn(batch, kv_heads, slots, head_dim, generator=generator) for _ in range(2))
+    positions = torch.tensor([[2 + i for i in range(length)], [4 + i for i in range(length)], [0 + i for i in range(length)]])
+    mask = torch.arange(slots)[None, None, None, :] <= positions[:, None, :, None]
+    repeat = heads // kv_heads
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1), attn_mask=mask)
+    assert (masked_grouped_attention(q, k, v, mask) - expected).abs().max() <= 1e-6
+
+
 def test_missing_directory_says_how_to_download(tmp_path):
     with pytest.raises(FileNotFoundError, match="git clone https://huggingface.co/Qwen/Qwen2.5-3B-Instruct"):
         load(tmp_path / "nope")
