@@ -157,6 +157,15 @@ def common_run_keys(section) -> None:
     process_keys(section)
 
 
+def check_fsdp_master_weights(config) -> None:
+    """FSDP shards the weights it is given: float32 master copies of bf16 weights are not built under it."""
+    if config.distributed.fsdp and config.optim.master_weights and config.model.dtype != "float32" and (
+            config.model.lora.rank is None):
+        raise ConfigError(f"optim.master_weights: float32 master weights of {config.model.dtype} weights are not "
+                          "supported with distributed.fsdp yet; set model.dtype: float32 (FSDP then shards float32 "
+                          "weights), or optim.master_weights: null")
+
+
 def world_size() -> int:
     """The number of ranks torchrun started (its WORLD_SIZE variable; 1 in a plain run): what
     distributed.world_size() reports once the process group is up, readable here before torch loads."""
@@ -300,11 +309,17 @@ class RolloutConfig:
     # Questions asked in each round (null: a step's, episodes_per_step / num_answers_per_question). A round
     # has a fixed cost (its longest answer's decode steps), so a few larger rounds cost less than many.
     dynamic_sampling_questions_per_round: int | None = None
+    # Answers decoded at once at most (whole groups), each batch with a KV cache of its own size: the cache's
+    # memory bound (bench/memory_plan.py). null: all of a round's at once. Same answers for a seed either way.
+    max_decode_rows: int | None = None
 
     def validate(self) -> None:
         for name in ("episodes_per_step", "num_answers_per_question", "max_prompt_len", "max_gen_len",
                      "dynamic_sampling_max_rounds", "dynamic_sampling_questions_per_round"):
             at_least(self, name, 1)
+        check(self.max_decode_rows is None or self.max_decode_rows >= self.num_answers_per_question,
+              "max_decode_rows", f"must be >= num_answers_per_question ({self.num_answers_per_question}): a "
+              "question's answers decode together, on its prompt's cache", self.max_decode_rows)
         within(self, "temperature", 0, MAX_TEMPERATURE, "(]")  # 0 would make every group's answers equal: no signal
         within(self, "top_p", 0, 1, "(]")
 
@@ -331,8 +346,11 @@ class AdamWConfig:
     eps: float = 1e-8
     micro_batch_size: int = 2
     max_grad_norm: float = 1.0
-    memory_efficient_adamw: bool = False  # keep AdamW's moments in CPU memory
+    memory_efficient_adamw: bool = False  # keep AdamW's moments (and master weights) in CPU memory
     logprob_chunk_size: int = 256  # sequence positions per lm_head chunk in the update
+    # float32: weights below float32 (bf16) train through float32 master copies, their gradients summed in float32
+    # (small updates do not round away: optimizer.py); null: AdamW updates the weights in their own dtype
+    master_weights: Literal["float32"] | None = "float32"
 
     def validate(self) -> None:
         for name in ("num_steps", "micro_batch_size", "logprob_chunk_size"):
@@ -529,6 +547,7 @@ class TrainConfig:
         if self.distributed.fsdp and self.optim.memory_efficient_adamw:
             raise ConfigError("distributed.fsdp already shards AdamW's state over the GPUs; "
                               "set optim.memory_efficient_adamw: false")
+        check_fsdp_master_weights(self)
         if self.distributed.fsdp and self.optim.skip_unfinished_episodes:
             # FSDP gathers parameters in every forward and backward, a collective all ranks must join,
             # but filtering leaves ranks with different numbers of micro-batches.
@@ -627,6 +646,7 @@ class SFTConfig:
         if self.distributed.fsdp and self.optim.memory_efficient_adamw:
             raise ConfigError("distributed.fsdp already shards AdamW's state over the GPUs; "
                               "set optim.memory_efficient_adamw: false")
+        check_fsdp_master_weights(self)
 
 
 @dataclass

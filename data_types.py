@@ -28,7 +28,7 @@ class Episode:
     is_finished: bool  # stopped on eos rather than at max_gen_len
     reward: float
     reward_info: dict[str, float] = field(default_factory=dict)
-    # The sampler's log p and entropy of each generated token (generation.token_statistics); empty when unknown.
+    # The sampler's log p and entropy of each generated token (generation.sample_and_score); empty when unknown.
     sampler_log_probs: list[float] = field(default_factory=list)
     sampler_entropies: list[float] = field(default_factory=list)
 

@@ -161,16 +161,20 @@ class OptimizerStep:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float):
         self.model, self.optimizer, self.max_grad_norm = model, optimizer, max_grad_norm
         self.is_ddp = isinstance(model, DistributedDataParallel)
+        # Master weights (optimizer.py): the optimizer sums the gradients in float32, and the ranks sum those sums.
+        self.float32_gradients = getattr(optimizer, "float32_gradients", None)
         self.summed = False
 
     def micro_batch(self, last: bool):
-        if self.is_ddp and not last:
+        if self.is_ddp and (not last or self.float32_gradients is not None):
             return self.model.no_sync()
         self.summed = True
         return nullcontext()
 
     def __call__(self) -> float:
         """Apply the accumulated gradients; returns their norm (over all shards under FSDP) before clipping."""
+        if self.float32_gradients is not None:
+            return self.step_float32()
         if self.is_ddp and not self.summed:
             # This rank had no micro-batch (all its episodes were filtered out), but the others wait for
             # its share of the sum: a forward and backward with zero loss gives it, as zeros.
@@ -182,6 +186,19 @@ class OptimizerStep:
         self.optimizer.zero_grad(set_to_none=True)
         self.summed = False
         return (norm.full_tensor() if is_sharded(self.model) else norm).item()
+
+    def step_float32(self) -> float:
+        """The float32 sums summed over the ranks (as DDP would the gradients), clipped as clip_grad_norm_ does,
+        applied."""
+        gradients = self.float32_gradients.every_buffer()
+        if is_initialized():
+            for gradient in gradients:
+                dist.all_reduce(gradient)
+        norm = torch.nn.utils.get_total_norm(gradients)
+        torch._foreach_mul_(gradients, (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm.item()
 
 
 def shard_model(model: Transformer, device: torch.device) -> None:

@@ -32,7 +32,7 @@ PACKED_PROJECTION_MIN_WEIGHTS = 1 << 22
 class Completion:
     token_ids: list[int]  # generated ids, including the eos id when finished
     finished: bool  # stopped on eos (False: hit its length limit)
-    # The sampler's measurements of each generated token (see token_statistics); not part of what was sampled,
+    # The sampler's measurements of each generated token (see sample_and_score); not part of what was sampled,
     # so two completions with the same tokens are equal even where these differ in their last bits.
     log_probs: list[float] = field(default_factory=list, compare=False)
     entropies: list[float] = field(default_factory=list, compare=False)
@@ -47,13 +47,17 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, uniforms: tor
     if temperature == 0:
         return logits.argmax(dim=-1)
     # softmax is one fused kernel: 4x faster on a CPU than exp(x - max) unnormalised, for all it saves.
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return invert_cdf(torch.softmax(logits.float() / temperature, dim=-1), top_p, uniforms)
+
+
+def invert_cdf(probs: torch.Tensor, top_p: float, uniforms: torch.Tensor) -> torch.Tensor:
+    """The token [rows] whose (nucleus-truncated) CDF step holds each row's uniform; `probs` becomes the CDF."""
     order = None
     if top_p < 1:
         probs, order = probs.sort(dim=-1, descending=True)
         # Keep a token while the mass ranked above it is below top_p: the smallest set reaching top_p.
         probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= top_p, 0.0)
-    cdf = probs.cumsum(dim=-1)
+    cdf = probs.cumsum_(dim=-1)  # in place: no third vocabulary-sized tensor
     total = cdf[:, -1:]
     # Strictly below the total, so the chosen slot is one where the CDF rises: a token of nonzero mass.
     threshold = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
@@ -61,22 +65,21 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, uniforms: tor
     return (index if order is None else order.gather(-1, index)).squeeze(-1)
 
 
-def token_statistics(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log p(tokens), entropy) [rows] in float32 under softmax(logits / temperature) (greedy: temperature 1),
-    before top_p's truncation.
-
-    At temperature 1 this is the policy as the trainer scores it (logprobs.chunk_log_probs), so the update
-    can measure how far its own log-probs are from the sampler's (grpo.update_policy).
-    """
-    log_probs = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)
-    entropy = torch.special.entr(log_probs.exp()).sum(-1)  # -sum p log p, with 0 log 0 = 0
-    return log_probs.gather(-1, tokens[:, None]).squeeze(-1), entropy
-
-
 def sample_and_score(logits: torch.Tensor, temperature: float, top_p: float, uniforms: torch.Tensor | None):
-    """(next token ids, their log-probs, entropies), each [rows]: `sample` and `token_statistics`."""
-    tokens = sample(logits, temperature, top_p, uniforms)
-    return tokens, *token_statistics(logits, tokens, temperature)
+    """(next token ids, their log-probs, entropies), each [rows]: the tokens `sample` draws, and log p and entropy
+    in float32 under softmax(logits / temperature) (greedy: temperature 1) before top_p's truncation.
+
+    At temperature 1 that is the policy as the trainer scores it (logprobs.answer_log_probs), so the update can
+    measure how far its own log-probs are from the sampler's (grpo.update_policy). Two float32 [rows, vocab]
+    tensors at most (log-probs, and the probabilities that become the CDF in place): at 256 rows of Qwen's
+    151,936-token vocabulary each is 156 MB (bench/memory_plan.py).
+    """
+    log_probs = logits.to(torch.float32, copy=True).div_(temperature or 1.0)
+    log_probs -= log_probs.logsumexp(dim=-1, keepdim=True)
+    probs = log_probs.exp()
+    entropy = -torch.bmm(probs[:, None, :], log_probs[:, :, None]).view(-1)  # -sum p log p, without p log p
+    tokens = log_probs.argmax(dim=-1) if temperature == 0 else invert_cdf(probs, top_p, uniforms)
+    return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1), entropy
 
 
 def decode_step(
@@ -202,37 +205,59 @@ def generate(
     compile_decode: bool = False,
     progress: bool = False,
     stop_lengths: list[int] | None = None,
+    max_rows: int | None = None,
 ) -> list[Completion]:
     """Sample num_samples_per_prompt completions per prompt, prompt-major (prompt 0's samples first).
 
-    generator: drives all sampling; it must live on the model's device.
+    generator: drives all sampling; it must live on the model's device. Row r's token at step t inverts the
+    CDF at uniform [r, t] of one [rows, max_gen_len] draw made first, so what a seed gives does not depend on
+    how the rows are batched (max_rows, eviction).
     share_prompt_prefill=False, evict_finished=False is the simple reference path: every prompt is
     prefilled once per sample and every row decodes until the last one finishes.
     compile_decode: on CUDA, run each decode step as a captured CUDA graph (see `decode`); ignored
     elsewhere.
     stop_lengths: optional per-completion length limits below max_gen_len (benchmarks plant them
     because random weights never emit eos); a row that hits its limit is not `finished`.
+    max_rows: decode at most this many rows at once (whole prompts' groups, at least one prompt's), each
+    batch with a cache of its own size: the KV cache's memory bound (bench/memory_plan.py). None: all at once.
     """
     check_arguments(prompts, num_samples_per_prompt=num_samples_per_prompt, max_gen_len=max_gen_len,
                     temperature=temperature, top_p=top_p, stop_lengths=stop_lengths)
     device = model.embed_tokens.weight.device
-    compiled = compile_decode and device.type == "cuda"
+    num_rows = len(prompts) * num_samples_per_prompt
+    uniforms = None if temperature == 0 else torch.rand((num_rows, max_gen_len), generator=generator, device=device)
+    limits = torch.full((num_rows,), max_gen_len, device=device)
+    if stop_lengths is not None:
+        limits = limits.minimum(torch.tensor(stop_lengths, device=device))
+    per_batch = max(1, (max_rows or num_rows) // num_samples_per_prompt)  # prompts per batch
+    completions = []
+    for first in range(0, len(prompts), per_batch):
+        rows = slice(first * num_samples_per_prompt, (first + per_batch) * num_samples_per_prompt)
+        outputs = generate_rows(model, prompts[first : first + per_batch], num_samples_per_prompt=num_samples_per_prompt,
+                                max_gen_len=max_gen_len, eos_token_id=eos_token_id, temperature=temperature,
+                                top_p=top_p, uniforms=None if uniforms is None else uniforms[rows],
+                                length_limits=limits[rows], share_prompt_prefill=share_prompt_prefill,
+                                evict_finished=evict_finished, compile_decode=compile_decode, progress=progress)
+        completions += completions_from_outputs(*(output.tolist() for output in outputs),
+                                                limits=limits[rows].tolist(), eos_token_id=eos_token_id)
+    return completions
+
+
+def generate_rows(model: Transformer, prompts: list[list[int]], *, num_samples_per_prompt: int, max_gen_len: int,
+                  eos_token_id: int, temperature: float, top_p: float, uniforms: torch.Tensor | None,
+                  length_limits: torch.Tensor, share_prompt_prefill: bool, evict_finished: bool, compile_decode: bool,
+                  progress: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One batch of generate's rows, prefilled and decoded together: `decode`'s outputs."""
+    compiled = compile_decode and model.embed_tokens.weight.device.type == "cuda"
     # The last sampled token is never fed back, so it needs no cache slot.
     max_seq_len = max(len(prompt) for prompt in prompts) + max_gen_len - 1
     if compiled:
         max_seq_len = -(-max_seq_len // COMPILED_CACHE_LENGTH_MULTIPLE) * COMPILED_CACHE_LENGTH_MULTIPLE
     kv_cache, logits, positions = prefill_rows(model, prompts, num_samples_per_prompt=num_samples_per_prompt,
                                                max_seq_len=max_seq_len, share_prompt_prefill=share_prompt_prefill)
-    length_limits = torch.full((len(logits),), max_gen_len, device=device)
-    if stop_lengths is not None:
-        length_limits = length_limits.minimum(torch.tensor(stop_lengths, device=device))
-    outputs = decode(
-        model, kv_cache, logits, positions, length_limits=length_limits, eos_token_id=eos_token_id,
-        temperature=temperature, top_p=top_p, generator=generator, evict_finished=evict_finished and not compiled,
-        compiled=compiled, progress=progress,
-    )
-    return completions_from_outputs(*(output.tolist() for output in outputs), limits=length_limits.tolist(),
-                                    eos_token_id=eos_token_id)
+    return decode(model, kv_cache, logits, positions, length_limits=length_limits, eos_token_id=eos_token_id,
+                  temperature=temperature, top_p=top_p, uniforms=uniforms,
+                  evict_finished=evict_finished and not compiled, compiled=compiled, progress=progress)
 
 
 def prefill_rows(model: Transformer, prompts, *, num_samples_per_prompt: int, max_seq_len: int,
@@ -264,13 +289,14 @@ def decode(
     eos_token_id: int,
     temperature: float,
     top_p: float,
-    generator: torch.Generator | None,
+    uniforms: torch.Tensor | None,
     evict_finished: bool,
     compiled: bool,
     progress: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Generated ids [rows, max(length_limits)], each row valid up to its eos or its length limit, and
-    each token's log-prob and entropy from `token_statistics` (same shape, float32).
+    each token's log-prob and entropy from `sample_and_score` (same shape, float32). Row r's token at step t
+    inverts the CDF at uniforms[r, t] (None: greedy).
 
     compiled: run each step as a captured CUDA graph. Finished rows then stay in the batch: every
     new batch size would need its own compile and capture, which costs far more than decoding a few
@@ -290,16 +316,12 @@ def decode(
     # State of the active rows; eviction shrinks these together with the cache.
     row_ids, limits = torch.arange(num_rows, device=device), length_limits
     finished = torch.zeros(num_rows, dtype=torch.bool, device=device)
-    # Uniforms are drawn one per row unfinished at the last check (every FINISHED_CHECK_INTERVAL steps),
-    # in row order, however often rows are evicted: a seed gives the same draws on every device.
-    # draw_index: each active row's place among those rows (None: the same rows).
-    drawn_rows, draw_index = row_ids, None
     # Slots written so far (all rows), tracked on the host: compaction copies only these.
     filled = int(positions.max())
     # Each step's tokens and their statistics are written at row_ids, the rows' original places, so a row's
     # log-probs stay aligned with its tokens however the batch shrinks.
     next_tokens, next_log_probs, next_entropies = sample_and_score(
-        logits, temperature, top_p, draw_uniforms(num_rows, temperature, generator, device))
+        logits, temperature, top_p, None if uniforms is None else uniforms[:, 0])
     bar = progress_bar(desc="generate", total=max_gen_len, unit="token", enabled=progress, leave=False)
     for step in range(max_gen_len):
         outputs[row_ids, step] = next_tokens
@@ -318,30 +340,22 @@ def decode(
             next_tokens, next_log_probs, next_entropies, positions, row_ids, limits = (
                 t[active] for t in (next_tokens, next_log_probs, next_entropies, positions, row_ids, limits))
             finished = finished[active]
-            draw_index = torch.searchsorted(drawn_rows, row_ids)
-        if check:
-            drawn_rows, draw_index = row_ids, None
-        uniforms = draw_uniforms(len(drawn_rows), temperature, generator, device)
-        if draw_index is not None and uniforms is not None:
-            uniforms = uniforms[draw_index]
         if len(row_ids) == 0:
-            continue  # all finished between checks: only the draws go on, up to the check
+            continue  # all finished between checks
         if compiled:
             torch.compiler.cudagraph_mark_step_begin()
         # Eager steps attend over the written slots only (views, no copy): early in a long generation
         # most of the buffer is empty. A captured graph needs the whole, fixed-shape buffer.
         step_cache = kv_cache if compiled else kv_cache.first_slots(filled + 1)
+        step_uniforms = None if uniforms is None else uniforms[row_ids, step + 1]
         next_tokens, next_log_probs, next_entropies = step_fn(model, step_cache, next_tokens, positions,
-                                                              uniforms=uniforms, temperature=temperature, top_p=top_p)
+                                                              uniforms=step_uniforms, temperature=temperature,
+                                                              top_p=top_p)
         if compiled:  # the graph's output buffers are overwritten by its next replay
             next_tokens, next_log_probs, next_entropies = (t.clone() for t in (next_tokens, next_log_probs, next_entropies))
         positions, filled = positions + 1, filled + 1
     bar.close()
     return outputs, log_probs, entropies
-
-
-def draw_uniforms(num_rows: int, temperature: float, generator, device) -> torch.Tensor | None:
-    return None if temperature == 0 else torch.rand(num_rows, generator=generator, device=device)
 
 
 def completions_from_outputs(outputs: list[list[int]], log_probs: list[list[float]], entropies: list[list[float]], *,

@@ -53,6 +53,7 @@ def rollout(
         generator=generator,
         compile_decode=config.compile_decode,
         progress=progress,
+        max_rows=config.max_decode_rows,
     )
     episodes = []
     for index, completion in enumerate(completions):

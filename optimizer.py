@@ -1,9 +1,16 @@
-"""AdamW whose moment estimates live in CPU memory.
+"""AdamW whose moment estimates (and float32 master weights) can live in CPU memory.
 
 Why it exists: full fine-tuning of Qwen2.5-3B on a 24 GB card. AdamW keeps two
 fp32 moments per parameter, 3.09e9 * 2 * 4 bytes = 24.7 GB: more than the whole
-card before the bf16 weights (6.2 GB), their gradients (6.2 GB) and activations.
+card before the bf16 weights (6.2 GB), their gradients and activations.
 Moving the moments to host RAM trades that GPU memory for PCIe traffic each step.
+
+Master weights (optim.master_weights: float32): bf16 weights cannot take small updates. At lr 1e-5 an Adam
+step (about lr per weight) is under half a bf16 ulp for every |w| above ~4e-3, so it rounds away, and
+gradients summed in bf16 over many micro-batches lose their small terms the same way. So each low-precision
+weight gets a float32 master copy that AdamW updates (on the CPU when offloaded) and the model's weight is
+rounded from it, and each micro-batch's gradient is added into a float32 buffer as soon as backward computes
+it (Float32Gradients). The bf16 weights stay what the forward, backward and generation compute with.
 """
 
 from collections.abc import Callable
@@ -43,6 +50,7 @@ class MemoryEfficientAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         enabled: bool = True,
+        master_weights: bool = False,
     ) -> None:
         if lr < 0:
             raise ValueError(f"lr must be >= 0, got {lr}; pass a non-negative learning rate")
@@ -54,6 +62,10 @@ class MemoryEfficientAdamW(torch.optim.Optimizer):
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}; use 0.0 to disable it")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.enabled = enabled
+        low_precision = [param for group in self.param_groups for param in group["params"]
+                         if param.dtype != torch.float32]
+        # master_weights: float32 copies and float32 gradient sums for the weights below float32 (None: no such).
+        self.float32_gradients = Float32Gradients(low_precision) if master_weights and low_precision else None
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -63,26 +75,76 @@ class MemoryEfficientAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params_with_grad = [param for param in group["params"] if param.grad is not None]
+            params_with_grad = [(param, grad) for param in group["params"] if (grad := self.gradient(param)) is not None]
             if self.enabled:
-                for param in params_with_grad:
-                    self._step_offloaded(group, param)
-            else:
-                states = [self._state(param, param.device, param.dtype) for param in params_with_grad]
-                _adamw(group, params_with_grad, [param.grad for param in params_with_grad], states)
+                self._step_offloaded(group, params_with_grad)
+            elif params_with_grad:
+                self._step_on_device(group, params_with_grad)
         return loss
 
-    def _step_offloaded(self, group: dict[str, Any], param: torch.Tensor) -> None:
-        state = self._state(param, torch.device("cpu"), torch.float32)
-        pin = param.device.type == "cuda"
-        grad_fp32 = _staged_on_cpu(param.grad, pin).float()
-        staged_param = _staged_on_cpu(param, pin)
-        param_fp32 = staged_param.float()  # the same tensor when the weights are fp32
-        _adamw(group, [param_fp32], [grad_fp32], [state])
-        staged_param.copy_(param_fp32)
-        # Safe to let staged_param go out of scope: the pinned caching allocator
-        # does not reuse its block until this copy has finished on the stream.
-        param.copy_(staged_param, non_blocking=pin)
+    def gradient(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The gradient AdamW applies to `param`: its float32 sum (master weights), else param.grad."""
+        if self.float32_gradients is not None and param in self.float32_gradients.buffers:
+            return self.float32_gradients.buffers[param]
+        return param.grad
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        if self.float32_gradients is not None:
+            self.float32_gradients.buffers.clear()
+
+    def _step_on_device(self, group: dict[str, Any], params_with_grad: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """One functional AdamW over the group's weights, or over their float32 masters (each weight then rounded
+        once from its master's result)."""
+        targets = [(param, self._master(param)) for param, _ in params_with_grad]
+        updated = [param if master is None else master for param, master in targets]
+        states = [self._state(param, param.device, param.dtype) for param, _ in params_with_grad]
+        _adamw(group, updated, [grad for _, grad in params_with_grad], states)
+        for param, master in targets:
+            if master is not None:
+                param.copy_(master)
+
+    def _step_offloaded(self, group: dict[str, Any], params_with_grad: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """AdamW on the CPU, one piece of one weight at a time (OFFLOAD_PIECE elements): the piece's gradient (and,
+        without a master copy, its weights) in host memory, AdamW there on float32, the new weights copied back.
+        On a GPU the copies run on a stream of their own, the next piece's gradient already on its way while this
+        piece's AdamW runs, the new weights going back without blocking, through two pairs of pinned buffers that
+        serve every piece of every step."""
+        pieces = [(param, grad, start) for param, grad in params_with_grad
+                  for start in range(0, param.numel(), OFFLOAD_PIECE)]
+        if not pieces:
+            return
+        staging = HostStaging(self, pieces[0][0].device)
+        incoming = staging.fetch(*pieces[0], with_weights=self._master(pieces[0][0]) is None, slot=0)
+        for index, (param, grad, start) in enumerate(pieces):
+            host_grad, host_weights = incoming
+            if index + 1 < len(pieces):  # the next piece's copies, queued before this piece's AdamW runs
+                following = pieces[index + 1]
+                incoming = staging.fetch(*following, with_weights=self._master(following[0]) is None,
+                                         slot=(index + 1) % 2)
+            staging.wait(index % 2)
+            state = self._state(param, torch.device("cpu"), torch.float32)
+            master = self._master(param)
+            end = min(start + OFFLOAD_PIECE, param.numel())
+            # The master's piece, else the weights upcast: host_weights itself when they are float32.
+            updated = master.view(-1)[start:end] if master is not None else host_weights.float()
+            piece_state = {"step": state["step"].clone(), "exp_avg": state["exp_avg"].view(-1)[start:end],
+                           "exp_avg_sq": state["exp_avg_sq"].view(-1)[start:end]}
+            _adamw(group, [updated], [host_grad.float()], [piece_state])
+            if end == param.numel():  # every piece took the same step: it counts once
+                state["step"] += 1
+            staging.send_back(updated, param.view(-1)[start:end], slot=index % 2)
+        staging.finish()
+
+    def _master(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The float32 master copy of a low-precision weight under master weights (None: none), made from the
+        weight at its first step, where its moments live."""
+        if self.float32_gradients is None or param.dtype == torch.float32:
+            return None
+        state = self._state(param, torch.device("cpu") if self.enabled else param.device, torch.float32)
+        if "master" not in state:
+            state["master"] = param.detach().to(state["exp_avg"].device, torch.float32, copy=True)
+        return state["master"]
 
     def _state(self, param: torch.Tensor, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The parameter's AdamW state, created as torch.optim.AdamW does on first use."""
@@ -109,15 +171,103 @@ class MemoryEfficientAdamW(torch.optim.Optimizer):
             if saved_id in saved_state:
                 self.state[param] = {
                     key: saved_state[saved_id][key].to("cpu", torch.float32, copy=True)
-                    for key in ("step", "exp_avg", "exp_avg_sq")
+                    for key in ("step", "exp_avg", "exp_avg_sq", "master") if key in saved_state[saved_id]
                 }
 
 
-def _staged_on_cpu(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
-    """A CPU copy of tensor, in pinned memory when it comes from a GPU (faster DMA both ways)."""
-    staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
-    staged.copy_(tensor)  # blocking on purpose: the CPU math below needs the values now
-    return staged
+class Float32Gradients:
+    """Gradients of low-precision weights summed in float32: backward hands each such parameter's gradient (one
+    micro-batch's, in bf16) to `add` as soon as it is computed (a post-accumulate-grad hook), which adds it into
+    the parameter's float32 buffer and frees it. Micro-batches then add up in float32, and at most one
+    parameter's bf16 gradient exists at a time, beside the float32 buffers."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.params = params
+        self.buffers: dict[torch.Tensor, torch.Tensor] = {}
+        for param in params:
+            param.register_post_accumulate_grad_hook(self.add)
+
+    def add(self, param: torch.Tensor) -> None:
+        if param in self.buffers:
+            self.buffers[param].add_(param.grad)
+        else:
+            self.buffers[param] = param.grad.float()
+        param.grad = None
+
+    def every_buffer(self) -> list[torch.Tensor]:
+        """A buffer for every parameter, in order (zeros where no micro-batch reached it): what ranks sum."""
+        for param in self.params:
+            if param not in self.buffers:
+                self.buffers[param] = torch.zeros_like(param, dtype=torch.float32)
+        return [self.buffers[param] for param in self.params]
+
+
+# Elements of a weight the offloaded step moves and updates at once: its pinned buffers' size (64 MB of float32
+# gradients per slot), whatever the largest weight (Qwen2.5-3B's embedding: 311M).
+OFFLOAD_PIECE = 1 << 24
+
+
+class HostStaging:
+    """The offloaded step's traffic between the weights' device and the CPU, for pieces of weights.
+
+    On a GPU: a copy stream (after the compute stream's gradients), two slots of pinned buffers kept by the
+    optimizer across steps, and an event per slot for the copies in. Slot i's buffers are refilled only after
+    slot i's copy back was queued on the same stream, so the stream's order keeps them apart. On a CPU the
+    pieces are views of the tensors themselves and nothing moves.
+    """
+
+    def __init__(self, optimizer: "MemoryEfficientAdamW", device: torch.device):
+        self.gpu = device.type == "cuda"
+        self.events: list = [None, None]
+        if self.gpu:
+            self.stream = torch.cuda.Stream(device)
+            self.stream.wait_stream(torch.cuda.current_stream(device))  # the gradients are complete
+            self.compute_stream = torch.cuda.current_stream(device)
+            if not hasattr(optimizer, "_pinned"):
+                optimizer._pinned = [{}, {}]
+            self.pinned = optimizer._pinned
+
+    def buffer(self, slot: int, role: str, dtype: torch.dtype, count: int) -> torch.Tensor:
+        key = (role, dtype)
+        if key not in self.pinned[slot]:
+            self.pinned[slot][key] = torch.empty(OFFLOAD_PIECE, dtype=dtype, pin_memory=True)
+        return self.pinned[slot][key][:count]
+
+    def fetch(self, param: torch.Tensor, grad: torch.Tensor, start: int, *, with_weights: bool, slot: int):
+        """(gradient piece, weights piece or None) in host memory; on a GPU still arriving until wait(slot)."""
+        end = min(start + OFFLOAD_PIECE, param.numel())
+        grad_piece, weights_piece = grad.view(-1)[start:end], param.view(-1)[start:end]
+        if not self.gpu:
+            return grad_piece, weights_piece if with_weights else None
+        with torch.cuda.stream(self.stream):
+            host_grad = self.buffer(slot, "gradient", grad.dtype, end - start).copy_(grad_piece, non_blocking=True)
+            host_weights = None
+            if with_weights:
+                host_weights = self.buffer(slot, "weights", param.dtype, end - start).copy_(weights_piece,
+                                                                                            non_blocking=True)
+            self.events[slot] = torch.cuda.Event()
+            self.events[slot].record(self.stream)
+        return host_grad, host_weights
+
+    def wait(self, slot: int) -> None:
+        if self.events[slot] is not None:
+            self.events[slot].synchronize()
+
+    def send_back(self, updated: torch.Tensor, weights_piece: torch.Tensor, slot: int) -> None:
+        """The piece's new weights (rounded to the weights' dtype once, from float32) into the weights."""
+        if not self.gpu:
+            if updated.data_ptr() != weights_piece.data_ptr():
+                weights_piece.copy_(updated)
+            return
+        outgoing = self.buffer(slot, "weights", weights_piece.dtype, updated.numel())
+        outgoing.copy_(updated)
+        with torch.cuda.stream(self.stream):
+            weights_piece.copy_(outgoing, non_blocking=True)
+
+    def finish(self) -> None:
+        """The compute stream waits for the new weights before it reads them."""
+        if self.gpu:
+            self.compute_stream.wait_stream(self.stream)
 
 
 def _adamw(
@@ -149,4 +299,5 @@ def new_adamw(params: ParamsT, config: AdamWConfig) -> MemoryEfficientAdamW:
     """AdamW over the parameters that train (a LoRA run's adapters: its frozen weights get no moments)."""
     params = [param for param in params if param.requires_grad]
     return MemoryEfficientAdamW(params, lr=config.learning_rate, betas=config.betas, eps=config.eps,
-                                weight_decay=config.weight_decay, enabled=config.memory_efficient_adamw)
+                                weight_decay=config.weight_decay, enabled=config.memory_efficient_adamw,
+                                master_weights=config.master_weights == "float32")

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Every GPU benchmark in one command, in bf16, compiled decode off and on; <= 8 min (timeouts) on a GPU.
+# The first thing to run on a GPU: install, then bench/gpu_check.py's one table (<= 10 minutes): bf16 parity
+# with transformers, the SDPA kernel of each attention call, decode tokens/s and the memory bandwidth it
+# reaches, the update's peak memory against bench/memory_plan.py, and 20 GRPO steps of the SmolLM2 recipe in
+# bf16 with config_24GB.yaml's optimizer. ALL=1 then runs the speed benchmarks too (<= 8 min more).
 # Reports (tables + JSON) go to $OUT if set, else bench/results-gpu/.
 #
-#   bash bench/gpu.sh                      # random weights of the real Qwen2.5-0.5B shape
-#   MODEL=path/to/Qwen2.5-3B-Instruct bash bench/gpu.sh
+#   SMOLLM2_DIR=DIR bash bench/gpu.sh      # DIR from ../shared/tools/make_smollm2.sh DIR . (or the Hub's copy)
+#   MODEL=path/to/Qwen2.5-3B-Instruct bash bench/gpu.sh   # checks 1-5 on that model (default: random 0.5B shape)
 #   DRY_RUN=1 bash bench/gpu.sh            # the same commands on the CPU at toy sizes: checks the wiring
 #
-# Time budget (timeouts, 8 min in all): profile 90 s, rollout 165 s, update 45 s, update host reads 30 s, step vs
-# TRL 2 x 75 s. A benchmark that fails or times out is reported and the next one still runs.
+# Speed benchmarks' time budget (timeouts, 8 min in all): profile 90 s, rollout 165 s, update 45 s, update host
+# reads 30 s, step vs TRL 2 x 75 s. A benchmark that fails or times out is reported and the next one still runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/results-gpu}"
@@ -45,6 +48,14 @@ else
 fi
 DEVICE_ONLY=("${DEVICE[@]:0:2}")  # step_vs_trl.py picks its dtype itself: bf16 on CUDA, fp32 on the CPU
 failed() { echo "!! $1 failed or timed out (exit $2); going on" | tee -a "$OUT/failures.txt"; }
+
+CHECK=(--out "$OUT")
+[[ "${DRY_RUN:-0}" == 1 ]] && CHECK+=(--dry-run)
+[[ "$MODEL" != qwen2.5-0.5b && "$MODEL" != tiny ]] && CHECK+=(--model "$MODEL")
+[[ -n "${SMOLLM2_DIR:-}" ]] && CHECK+=(--smollm2 "$SMOLLM2_DIR")
+timeout $((600 * SCALE)) uv run python -m bench.gpu_check "${CHECK[@]}" 2>&1 | tee "$OUT/gpu_check.txt" \
+  || failed gpu_check $?
+[[ "${ALL:-0}" == 1 ]] || exit 0
 
 # Where a rollout's time goes (eager decode: a captured graph hides its parts).
 timeout $((90 * SCALE)) uv run python -m bench.rollout --model "$MODEL" "${DEVICE[@]}" "${PROFILE[@]}" --profile \

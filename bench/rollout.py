@@ -267,8 +267,7 @@ def print_table(report: dict) -> None:
 FUNCTION_PARTS = {
     "prefill": "prefill (one forward over the prompts)",
     "copy_prompt_cache_to_rows": "prompt cache -> per-answer rows copy",
-    "sample": "sampling (softmax, CDF, search)",
-    "token_statistics": "sampled tokens' log-probs and entropies (for the update)",
+    "sample_and_score": "sampling (log-softmax, CDF, search) and the tokens' log-probs and entropies",
     "keep_rows_in_place": "cache compaction (evicting finished rows)",
 }
 OP_PARTS = {

@@ -46,7 +46,8 @@ def test_rollout_profile_splits_the_whole_rollout_into_parts(tmp_path):
     report, stdout = run_bench("rollout", tmp_path, *TINY_ROLLOUT, "--profile")
     parts = report["parts"]
     for part in ("prefill (one forward over the prompts)", "decode: lm_head", "decode: layer matmuls (all layers)",
-                 "decode: attention over the cache", "sampling (softmax, CDF, search)"):
+                 "decode: attention over the cache",
+                 "sampling (log-softmax, CDF, search) and the tokens' log-probs and entropies"):
         assert parts[part] > 0, part
     # The parts (less the per-layer figure, a share of the matmuls) add up to the profiled wall time.
     total = sum(seconds for part, seconds in parts.items() if not part.endswith("per layer"))
@@ -165,12 +166,18 @@ def test_memory_plan_matches_hand_arithmetic(capsys):
     per_layer = 2 * hidden * hidden + hidden + 2 * (hidden * kv_width + kv_width) + 3 * hidden * intermediate + 2 * hidden
     num_params = 151936 * hidden + 36 * per_layer + hidden
     assert big["parameters"] == small["parameters"] == num_params
-    assert big["components"]["weights"] == big["components"]["gradients"] == 2 * num_params
-    assert big["components"]["adamw_moments"] == 4 * num_params and small["components"]["adamw_moments"] == 0
-    assert small["host"]["adamw_moments_fp32_in_cpu_ram"] == 8 * num_params
+    assert big["components"]["weights"] == small["components"]["weights"] == 2 * num_params
+    # Master weights: gradients summed in float32, beside one weight's bf16 gradient in flight (the embedding's);
+    # the float32 masters and moments in CPU memory on both cards.
+    assert big["components"]["gradients"] == 4 * num_params + 151936 * hidden * 2
+    assert big["components"]["adamw_moments"] == small["components"]["adamw_moments"] == 0
+    assert big["components"]["master_weights"] == small["components"]["master_weights"] == 0
+    assert small["host"] == {"adamw_moments_fp32_in_cpu_ram": 8 * num_params, "master_weights_in_cpu_ram": 4 * num_params}
     # 256 episodes x (256 + 1024 - 1) slots x 36 layers x (k, v) x 2 kv heads x 128 dims x 2 bytes.
     assert big["components"]["kv_cache"] == 256 * 1279 * 36 * 2 * 2 * 128 * 2
-    assert big["components"]["logits_chunk"] == 3 * 2 * 256 * 151936 * 4
+    # Three float32 [micro-batch, chunk, vocabulary] tensors: 8 x 256 on the 48 GB card, 2 x 128 on the 24 GB one.
+    assert big["components"]["logits_chunk"] == 3 * 8 * 256 * 151936 * 4
+    assert small["components"]["logits_chunk"] == 3 * 2 * 128 * 151936 * 4
     for plan in (big, small):
         assert plan["peak"] == max(plan["phases"].values())
     assert small["peak"] < 24e9 < big["peak"] < 48e9
@@ -182,7 +189,14 @@ def test_memory_plan_matches_hand_arithmetic(capsys):
     assert lora["components"]["weights"] == 2 * num_params + 4 * adapters
     assert lora["components"]["gradients"] == 4 * adapters and lora["components"]["adamw_moments"] == 8 * adapters
     assert lora["host"]["adamw_moments_fp32_in_cpu_ram"] == 0
-    assert lora["peak"] == lora["phases"]["rollout"] < 24e9 - 4e9  # 4 GB left beside the rollout
+    assert lora["peak"] == lora["phases"]["decode"] and lora["headroom"] > 4e9
+    # Decoding holds the answers' cache, one step's sampling (bf16 logits, float32 log-probs and CDF) and the
+    # token buffers beside the weights: config_24GB.yaml leaves 2 GB of the card beside the CUDA context.
+    assert small["components"]["sampling"] == 256 * 151936 * (2 + 4 + 4)
+    assert small["components"]["cache_compaction"] == 256 * 1279 * kv_width * 2
+    assert small["phases"]["decode"] == sum(small["components"][key] for key in (
+        "weights", "kv_cache", "token_buffers", "decode_step", "sampling"))
+    assert small["headroom"] == 24e9 - 1e9 - small["peak"] > 2e9
 
 
 def test_variants_table_gives_mean_min_max_over_seeds(tmp_path):
@@ -250,3 +264,21 @@ def test_the_matmul_bench_reports_both_dtypes_at_every_shape(capsys):
     assert set(report["gflops"]) == set(matmul_dtype.SHAPES)
     assert all(set(by_dtype) == {"float32", "bfloat16"} and by_dtype["float32"]["median"] > 0
                for by_dtype in report["gflops"].values())
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_prints_every_check(tmp_path, tiny_model_dir):
+    """bench/gpu_check.py at toy sizes on the CPU (what DRY_RUN=1 bash bench/gpu.sh runs): every check answers,
+    none fails, and the tiny model stands in for SmolLM2 in the GRPO steps."""
+    from bench import gpu_check
+
+    report = gpu_check.main(["--dry-run", "--smollm2", str(tiny_model_dir), "--out", str(tmp_path)])
+    checks = report["checks"]
+    assert not [name for name, values in checks.items() if "failed" in values], checks
+    assert checks["bf16 parity"]["top1_agreement_vs_transformers"] > 0.9
+    backends = checks["attention backend"]
+    assert all(kernels != ["none recorded"] for kernels in backends.values()), backends
+    assert checks["decode"]["tokens_per_second"] > 0
+    assert checks["GRPO (SmolLM2, bf16, config_24GB optimizer)"]["steps"] == 2
+    assert checks["GRPO (SmolLM2, bf16, config_24GB optimizer)"]["losses_finite"]
+    assert (tmp_path / "gpu_check.md").read_text().startswith("| check | result |")

@@ -67,3 +67,26 @@ def test_real_model_recipe_steps_in_bfloat16(tmp_path):
                             "loss.kl_beta=0.01"])  # a loss (the KL term) even when every group is flat
     train.train(grpo)
     assert_finite_losses(tmp_path / "logs" / "grpo", "train/loss", 1)
+
+
+@pytest.mark.slow
+def test_bfloat16_run_with_master_weights_resumes_exactly(tmp_path, tiny_model_dir, countdown_dir, digit_reward):
+    """The float32 master weights (optim.master_weights, offloaded with the moments) are part of the trainer state:
+    a run cut after 2 steps and resumed ends with the uninterrupted run's weights and masters, bit for bit."""
+    import torch
+
+    common = ["model.dtype=bfloat16", "optim.memory_efficient_adamw=true", "optim.learning_rate=1e-2",
+              "eval.interval=0", "checkpoint.interval=2"]
+    train.train(tiny_config(tmp_path / "full", tiny_model_dir, countdown_dir, *common, "optim.num_steps=4"))
+    train.train(tiny_config(tmp_path / "cut", tiny_model_dir, countdown_dir, *common, "optim.num_steps=2"))
+    train.train(tiny_config(tmp_path / "cut", tiny_model_dir, countdown_dir, *common, "optim.num_steps=4"),
+                resume=str(tmp_path / "cut" / "checkpoints" / "tiny"))
+    full, cut = (torch.load(tmp_path / run / "checkpoints/tiny/step_000004/trainer_state.pt", weights_only=False)
+                 for run in ("full", "cut"))
+    masters = [state["master"] for state in full["optimizer"]["state"].values()]
+    assert masters and all(master.dtype == torch.float32 for master in masters)
+    for key, state in full["optimizer"]["state"].items():
+        assert torch.equal(state["master"], cut["optimizer"]["state"][key]["master"])
+    for name in ("model.safetensors",):
+        assert (tmp_path / "full/checkpoints/tiny/step_000004" / name).read_bytes() == (
+            tmp_path / "cut/checkpoints/tiny/step_000004" / name).read_bytes()

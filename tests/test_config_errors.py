@@ -17,6 +17,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # (override, the message's start); each would otherwise train silently wrong or crash later.
 BAD_TRAIN_VALUES = [
+    ("rollout.max_decode_rows=4", "rollout.max_decode_rows: must be >= num_answers_per_question (8): a question's "
+                                  "answers decode together, on its prompt's cache, got 4"),
+    ("optim.master_weights=float16", "optim.master_weights: 'float16' is not allowed; use one of 'float32'"),
+    ("model.lora.rank=0", "model.lora.rank: must be >= 1, got 0"),
+    ("model.lora.layers=[embed_tokens]", "model.lora.layers: must be distinct names among q_proj"),
     ("optim.max_grad_norm=-1", "optim.max_grad_norm: must be in (0, 10000], got -1.0"),
     ("optim.max_grad_norm=0", "optim.max_grad_norm: must be in (0, 10000], got 0.0"),
     ("loss.advantage_eps=-1", "loss.advantage_eps: must be in (0, 1], got -1.0"),

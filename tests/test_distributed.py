@@ -65,6 +65,33 @@ def sgd_update(model, episodes: list[Episode], aggregation: str, fsdp: bool = Fa
                          max_gen_len=16, pad_token_id=0)
 
 
+def shared_prompt_groups() -> list[list[Episode]]:
+    """Four groups of three answers to one prompt each (as GRPO's), the prompts of different lengths: one group per
+    micro-batch of three, the same micro-batches on a rank as in one process."""
+    generator = torch.Generator().manual_seed(2)
+    groups = []
+    for question, prompt_length in enumerate((4, 6, 9, 11)):
+        prompt = torch.randint(1, 400, (prompt_length,), generator=generator).tolist()
+        groups.append([Episode(question, "", prompt, torch.randint(1, 400, (int(length),), generator=generator).tolist(),
+                               "", True, torch.rand((), generator=generator).item(),
+                               {"format_reward": 0.0, "answer_reward": 0.0})
+                       for length in torch.randint(2, 12, (3,), generator=generator)])
+    return groups
+
+
+def master_weights_update(model, episodes: list[Episode]) -> dict:
+    """One AdamW step of a bf16 model through float32 master weights (optim.master_weights): its masters."""
+    from optimizer import MemoryEfficientAdamW
+
+    policy = distributed.training_model(model, torch.device("cpu"), fsdp=False)
+    optimizer = MemoryEfficientAdamW(model.parameters(), lr=1e-3, enabled=False, master_weights=True)
+    loss_config = LossConfig()
+    update_policy(policy, distributed.OptimizerStep(policy, optimizer, 0.05), episodes,
+                  compute_advantages(episodes, loss_config), config=loss_config,
+                  optim=config_lib.OptimConfig(micro_batch_size=3, logprob_chunk_size=4), max_gen_len=16, pad_token_id=0)
+    return {name: optimizer.state[param]["master"].clone() for name, param in model.named_parameters()}
+
+
 def digit_reward(response, item, end_token):
     """A random tiny model never solves CountDown (no reward, no gradient), so reward digits instead."""
     digits = sum(character.isdigit() for character in response) / max(len(response), 1)
@@ -105,7 +132,12 @@ def rank_updates(model_dir: str, out_file: str) -> None:
             if distributed.is_main_process():
                 results[mode, aggregation] = ({name: p.detach().clone() for name, p in savable.named_parameters()},
                                               metrics)
+    # bf16 weights through float32 masters: each rank sums its micro-batches in float32, the ranks sum those.
+    bf16 = Transformer.from_pretrained(model_dir, dtype=torch.bfloat16)
+    shared = shared_prompt_groups()
+    masters = master_weights_update(bf16, [e for group in (shared[:3], shared[3:])[distributed.rank()] for e in group])
     if distributed.is_main_process():
+        results["master_weights"] = masters
         torch.save(results, out_file)
 
 
@@ -222,6 +254,17 @@ def test_two_rank_update_equals_single_process(ranks_output, tiny_model_dir):
 
 
 @pytest.mark.slow
+def test_two_rank_master_weights_update_equals_single_process(ranks_output, tiny_model_dir):
+    results = torch.load(ranks_output / "updates.pt")
+    expected = master_weights_update(Transformer.from_pretrained(tiny_model_dir, dtype=torch.bfloat16),
+                                     [episode for group in shared_prompt_groups() for episode in group])
+    initial = Transformer.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).state_dict()
+    for name, master in expected.items():
+        assert torch.allclose(results["master_weights"][name], master, rtol=0, atol=1e-6), name
+    assert max((master - initial[name].float()).abs().max() for name, master in expected.items()) > 5e-4  # moved
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("run", ["data_parallel", "fsdp"])
 def test_two_rank_training_run_logs_once_and_writes_one_loadable_checkpoint(ranks_output, tiny_model_dir, run):
     # Imported here, not at the top: the ranks run this file too, and start faster without them.
@@ -315,12 +358,16 @@ def test_resume_with_another_world_size_is_refused(tmp_path, tiny_model_dir, cou
     [
         ("optim.memory_efficient_adamw=true", "fsdp already shards AdamW's state.*memory_efficient_adamw: false"),
         ("optim.skip_unfinished_episodes=true", "episodes on every rank; set optim.skip_unfinished_episodes: false"),
+        ("model.dtype=bfloat16", r"optim.master_weights: float32 master weights of bfloat16 weights are not supported "
+                                 r"with distributed.fsdp yet; set model.dtype: float32 .* or optim.master_weights: null"),
     ],
 )
 def test_fsdp_config_conflicts_name_the_fix(tmp_path, override, message):
     config = grpo_config(tmp_path, "conflict", "model", "data", fsdp=True)
     with pytest.raises(config_lib.ConfigError, match=message):
         config_lib.load(train.TrainConfig, config, [override])
+    config_lib.load(train.TrainConfig, config, ["model.dtype=bfloat16", "optim.master_weights=null"])  # the fix
+    config_lib.load(train.TrainConfig, config, ["model.dtype=bfloat16", "model.lora.rank=2"])  # float32 adapters
 
 
 def test_single_process_helpers_are_identities(tiny_model_dir):

@@ -236,34 +236,22 @@ def test_bad_arguments_are_explained(model, kwargs, message):
 
 
 @torch.no_grad()
-def naive_sampled(model, prompts, num_samples, max_gen_len, eos_token_id, temperature, seed, stop_lengths, evict):
+def naive_sampled(model, prompts, num_samples, max_gen_len, eos_token_id, temperature, seed, stop_lengths):
     """What generate() samples for a seed, derived from first principles, one row at a time.
 
-    Row r's token at each step inverts softmax(logits / temperature)'s CDF (float64 here) at the
-    uniform drawn for it. Every step draws one uniform per row still in the batch, in row order; a row
-    that finished (eos or its length limit) leaves the batch at the next multiple of 8 steps (never,
-    without eviction), and generation stops at such a check once every row is finished.
+    Row r's token at step t inverts softmax(logits / temperature)'s CDF (float64 here) at uniform [r, t] of
+    one [rows, max_gen_len] draw, whatever rows leave the batch when or are decoded beside it.
     """
-    generator = torch.Generator().manual_seed(seed)
-    rows = [list(prompt) for prompt in prompts for _ in range(num_samples)]
-    limits = [min(limit, max_gen_len) for limit in stop_lengths]
-    generated, done = [[] for _ in rows], [False] * len(rows)
-    in_batch = list(range(len(rows)))
-    for step in range(max_gen_len):
-        uniforms = torch.rand(len(in_batch), generator=generator).double()
-        for uniform, row in zip(uniforms, in_batch):
-            if done[row]:
-                continue  # its later tokens are discarded, but it still took a uniform
-            logits = model(torch.tensor([rows[row] + generated[row]]))[0, -1].double()
+    uniforms = torch.rand((len(prompts) * num_samples, max_gen_len), generator=torch.Generator().manual_seed(seed))
+    completions = []
+    for row, prompt in enumerate(prompt for prompt in prompts for _ in range(num_samples)):
+        generated = []
+        while not generated or (generated[-1] != eos_token_id and len(generated) < min(stop_lengths[row], max_gen_len)):
+            logits = model(torch.tensor([list(prompt) + generated]))[0, -1].double()
             cdf = torch.softmax(logits / temperature, -1).cumsum(-1)
-            generated[row].append(int((cdf <= uniform * cdf[-1]).sum()))
-            done[row] = generated[row][-1] == eos_token_id or len(generated[row]) == limits[row]
-        if (step + 1) % 8 == 0:
-            if all(done):
-                break
-            if evict:
-                in_batch = [row for row in in_batch if not done[row]]
-    return [Completion(tokens, finished=tokens[-1] == eos_token_id) for tokens in generated]
+            generated.append(int((cdf <= uniforms[row, len(generated)].double() * cdf[-1]).sum()))
+        completions.append(Completion(generated, finished=generated[-1] == eos_token_id))
+    return completions
 
 
 @pytest.mark.parametrize("flags", FLAG_COMBINATIONS, ids=FLAG_IDS)
@@ -327,13 +315,17 @@ def test_sampled_tokens_for_a_seed_match_the_first_principles_sampler(model, pro
     temperature, seed, num_samples, max_gen_len = 0.7, 11, 2, 20
     # Rows finish inside different eviction windows; the eos is a token sampling actually meets.
     stop_lengths = [3, 20, 9, 17, 1, 12, 20, 6]
-    evict = flags["evict_finished"]
-    probe = naive_sampled(model, prompts, num_samples, max_gen_len, -1, temperature, seed, stop_lengths, evict)
+    probe = naive_sampled(model, prompts, num_samples, max_gen_len, -1, temperature, seed, stop_lengths)
     eos_token_id = probe[1].token_ids[10]
-    expected = naive_sampled(model, prompts, num_samples, max_gen_len, eos_token_id, temperature, seed, stop_lengths, evict)
+    expected = naive_sampled(model, prompts, num_samples, max_gen_len, eos_token_id, temperature, seed, stop_lengths)
     assert any(c.finished for c in expected) and sum(len(c.token_ids) for c in expected) > 40
     completions = generate(
         model, prompts, num_samples_per_prompt=num_samples, max_gen_len=max_gen_len, eos_token_id=eos_token_id,
         temperature=temperature, generator=torch.Generator().manual_seed(seed), stop_lengths=stop_lengths, **flags,
     )
     assert completions == expected
+    # Decoded a few prompts at a time (a cache of their size each), the rows get the same tokens.
+    for max_rows in (num_samples, 3 * num_samples, 1):
+        assert generate(model, prompts, num_samples_per_prompt=num_samples, max_gen_len=max_gen_len,
+                        eos_token_id=eos_token_id, temperature=temperature, generator=torch.Generator().manual_seed(seed),
+                        stop_lengths=stop_lengths, max_rows=max_rows, **flags) == expected

@@ -217,3 +217,89 @@ def test_bf16_params_match_fp32_master_reference(device: str) -> None:
 def test_bad_hyperparameters_are_rejected(bad_arguments: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         MemoryEfficientAdamW([torch.zeros(2, requires_grad=True)], **bad_arguments)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("enabled", [True, False])
+def test_master_weights_follow_float32_adamw_where_bf16_weights_alone_stall(enabled: bool, device: str) -> None:
+    """bf16 weights with float32 master weights (optim.master_weights: float32), over 300 steps at lr 1e-5 with
+    gradients summed over 4 micro-batches, against torch.optim.AdamW on float32 weights fed the same gradients
+    (summed in float32): the master copies follow it to float32 precision, and the bf16 weights are them rounded.
+    Without master weights most updates round away (Adam's step ~lr is under half a bf16 ulp above |w| ~4e-3)."""
+    from distributed import OptimizerStep
+
+    steps, micro_batches = 300, 4
+    generator = torch.Generator().manual_seed(0)
+    initial = (0.05 * torch.randn(256, generator=generator)).bfloat16()  # ulp ~2.4e-4: 24 steps of lr 1e-5
+    hyperparameters = dict(lr=1e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    with_master, without_master = (torch.nn.Parameter(initial.to(device, copy=True)) for _ in range(2))
+    reference = torch.nn.Parameter(initial.float().to(device))
+    runs = [(with_master, MemoryEfficientAdamW([with_master], enabled=enabled, master_weights=True, **hyperparameters)),
+            (without_master, MemoryEfficientAdamW([without_master], enabled=enabled, **hyperparameters))]
+    reference_optimizer = torch.optim.AdamW([reference], **hyperparameters)
+    for _ in range(steps):
+        # bf16-representable pieces: backward through the bf16 weight gives them exactly, so any difference is ours.
+        pieces = [(1 + torch.randn(256, generator=generator)).bfloat16().to(device) for _ in range(micro_batches)]
+        for param, optimizer in runs:
+            step = OptimizerStep(torch.nn.ParameterList([param]), optimizer, max_grad_norm=1e9)
+            for piece in pieces:
+                with step.micro_batch(last=piece is pieces[-1]):
+                    (param * piece).sum().backward()
+            step()
+        reference.grad = sum(piece.float() for piece in pieces)
+        reference_optimizer.step()
+    master = runs[0][1].state[with_master]["master"]
+    assert master.dtype == torch.float32 and master.device.type == ("cpu" if enabled else device)
+    torch.testing.assert_close(master.to(device), reference.detach(), rtol=0, atol=1e-6)
+    assert torch.equal(with_master, reference.detach().bfloat16())
+    # A steady gradient moves every weight by ~300 lr = 3e-3: many bf16 ulps, which bf16 AdamW never takes.
+    assert (with_master != initial.to(device)).float().mean() > 0.9
+    assert (without_master == initial.to(device)).float().mean() > 0.5
+
+
+def test_master_weights_resume_exactly_from_a_state_dict() -> None:
+    from distributed import OptimizerStep
+
+    generator = torch.Generator().manual_seed(1)
+    initial = torch.randn(64, generator=generator).bfloat16()
+    gradients = [torch.randn(64, generator=generator).bfloat16() for _ in range(10)]
+
+    def run(param, optimizer, pieces):
+        step = OptimizerStep(torch.nn.ParameterList([param]), optimizer, max_grad_norm=1.0)  # clipped sums, too
+        for piece in pieces:
+            with step.micro_batch(last=True):
+                (param * piece).sum().backward()
+            step()
+
+    whole = torch.nn.Parameter(initial.clone())
+    whole_optimizer = MemoryEfficientAdamW([whole], lr=1e-3, enabled=True, master_weights=True)
+    run(whole, whole_optimizer, gradients)
+    first = torch.nn.Parameter(initial.clone())
+    first_optimizer = MemoryEfficientAdamW([first], lr=1e-3, enabled=True, master_weights=True)
+    run(first, first_optimizer, gradients[:5])
+    saved = io.BytesIO()
+    torch.save(first_optimizer.state_dict(), saved)
+    resumed = torch.nn.Parameter(first.detach().clone())
+    resumed_optimizer = MemoryEfficientAdamW([resumed], lr=1e-3, enabled=True, master_weights=True)
+    resumed_optimizer.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=False))
+    run(resumed, resumed_optimizer, gradients[5:])
+    assert torch.equal(resumed_optimizer.state[resumed]["master"], whole_optimizer.state[whole]["master"])
+    assert torch.equal(resumed, whole)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_offloaded_step_in_pieces_matches_torch_adamw(device: str, monkeypatch) -> None:
+    """The offloaded step moves and updates each weight in pieces (optimizer.OFFLOAD_PIECE elements: 7 here, so
+    every weight of the MLP is cut, unevenly): still torch.optim.AdamW's result, and each weight's step counted once."""
+    import optimizer as optimizer_module
+
+    monkeypatch.setattr(optimizer_module, "OFFLOAD_PIECE", 7)
+    model = make_mlp(seed=0, device=device)
+    reference = copy.deepcopy(model)
+    optimizer, reference_optimizer = make_optimizer(model, True), make_optimizer(reference, None)
+    for step_index in range(NUM_STEPS):
+        for net, opt in ((model, optimizer), (reference, reference_optimizer)):
+            backward(net, step_index)
+            opt.step()
+        assert_same_params(model, reference)
+    assert all(state["step"].item() == NUM_STEPS for state in optimizer.state.values())
