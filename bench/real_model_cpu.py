@@ -1,15 +1,18 @@
 """Does a real pretrained model learn CountDown through this code on a CPU? The SmolLM2 recipe, per seed.
 
     uv run bench/real_model_cpu.py --model DIR_OR_HUB_ID (--seeds N | --seed S) [--out FILE.json]
-                                   [--work runs/real_model_cpu] [--threads 2]
+                                   [--work runs/real_model_cpu] [--threads 2] [--variant LABEL=KEY=VALUE,...]
 
 For each seed it runs the recipe's stages as a user would, each as its own process with that seed:
 the CountDown dataset (`countdown_task.py generate`, configs/smollm2_cpu.yaml's bootstrap.dataset_args),
 the SFT warm-up (`train_sft.py --config configs/smollm2_cpu_sft.yaml`), GRPO (`train.py --config
 configs/smollm2_cpu.yaml`), and `evaluate.py` on the SFT model (GRPO's start) and on the final checkpoint,
-greedy and at T=1, over the held-out questions (task.test_size, never trained on). It prints a table, and
-with --out writes JSON: per seed the success fractions, the whole recipe's wall seconds and the peak RSS
-of its largest stage.
+greedy and at T=1, over the held-out questions (task.test_size, never trained on). Each --variant runs GRPO
+again from the same SFT model with those overrides (e.g. lora=model.lora.rank=1,optim.learning_rate=3e-4),
+and its final checkpoint is scored the same way: the recipe as configured is the row `recipe`. It prints a
+table, and with --out writes JSON: per seed and variant the success fractions, the recipe's wall seconds (data,
+SFT and GRPO: what `train.py --config configs/smollm2_cpu.yaml` runs), the evaluations' apart, and the peak RSS
+of the largest stage.
 
 A small model can raise its score by writing one fixed form for every question (say `a + b - c`, the numbers
 in the order given) when the data holds many questions that form solves. So the bench reports, per number
@@ -73,37 +76,49 @@ def evaluate_stage(name: str, model_dir: Path, temperature: float, config: Train
     return stage, [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
 
 
-def run_seed(model: str, seed: int, work: Path, threads: int) -> dict:
+def run_seed(model: str, seed: int, work: Path, threads: int, variants: dict[str, list[str]]) -> list[dict]:
+    """One result per variant (`recipe`: the config as it is), all from this seed's data and SFT model."""
     work.mkdir(parents=True)
     config = config_lib.load(TrainConfig, [str(GRPO_CONFIG)], [f"seed={seed}", f"task.data_dir={work / 'countdown'}"])
     sft_settings = [f"model.dir={model}", f"output_dir={work / 'sft-model'}", f"seed={seed}", f"cpu_threads={threads}",
                     f"task.data_dir={work / 'countdown'}", f"logging.log_dir={work / 'logs'}", "run_name=sft",
                     "progress=false"]
-    grpo_settings = [f"model.dir={work / 'sft-model'}", f"seed={seed}", f"cpu_threads={threads}",
-                     f"task.data_dir={work / 'countdown'}", f"logging.log_dir={work / 'logs'}",
-                     f"checkpoint.dir={work / 'checkpoints'}", "run_name=grpo", "progress=false"]
-    final = work / "checkpoints" / "grpo" / f"step_{config.optim.num_steps:06d}"
     stages, samples = {}, {}
     stages["data"] = run_stage("data", ["countdown_task.py", "generate", "--out", str(work / "countdown"),
                                         *shlex.split(config.bootstrap.dataset_args), "--seed", str(seed)], work)
     stages["sft"] = run_stage("sft", ["train_sft.py", "--config", config.bootstrap.sft_config,
                                       *[f"--set={setting}" for setting in sft_settings]], work)
-    for label, model_dir in (("sft", work / "sft-model"), ("final", final)):
-        if label == "final":
-            stages["grpo"] = run_stage("grpo", ["train.py", "--config", str(GRPO_CONFIG),
-                                                *[f"--set={setting}" for setting in grpo_settings]], work)
-        for kind, temperature in (("greedy", 0.0), ("t1", 1.0)):
-            stages[f"eval_{label}_{kind}"], samples[f"{label}_{kind}"] = evaluate_stage(
-                f"eval_{label}_{kind}", model_dir, temperature, config, work, threads)
-    scores = {key: success(answers) for key, answers in samples.items()}
+    for kind, temperature in (("greedy", 0.0), ("t1", 1.0)):
+        stages[f"eval_sft_{kind}"], samples[f"sft_{kind}"] = evaluate_stage(
+            f"eval_sft_{kind}", work / "sft-model", temperature, config, work, threads)
     baseline = shortcut_baseline(CountdownDataset(work / "countdown", None, "train", test_size=config.task.test_size))
-    return {"seed": seed, **{key: round(value, 4) for key, value in scores.items()},
-            **{f"forms_{key}": baseline.report(answers) for key, answers in samples.items()},
+    results = []
+    for variant, overrides in variants.items():
+        grpo_settings = [f"model.dir={work / 'sft-model'}", f"seed={seed}", f"cpu_threads={threads}",
+                         f"task.data_dir={work / 'countdown'}", f"logging.log_dir={work / 'logs'}",
+                         f"checkpoint.dir={work / 'checkpoints'}", f"run_name=grpo-{variant}", "progress=false",
+                         *overrides]
+        final = work / "checkpoints" / f"grpo-{variant}" / f"step_{config.optim.num_steps:06d}"
+        own = {**stages, "grpo": run_stage(f"grpo-{variant}", ["train.py", "--config", str(GRPO_CONFIG), *[
+            f"--set={setting}" for setting in grpo_settings]], work)}
+        scored = {key: value for key, value in samples.items()}
+        for kind, temperature in (("greedy", 0.0), ("t1", 1.0)):
+            own[f"eval_final_{kind}"], scored[f"final_{kind}"] = evaluate_stage(
+                f"eval_{variant}_{kind}", final, temperature, config, work, threads)
+        scores = {key: success(answers) for key, answers in scored.items()}
+        results.append({
+            "seed": seed, "variant": variant, "overrides": overrides,
+            **{key: round(value, 4) for key, value in scores.items()},
+            **{f"forms_{key}": baseline.report(answers) for key, answers in scored.items()},
             "gain_greedy": round(scores["final_greedy"] - scores["sft_greedy"], 4),
-            "gain_t1": round(scores["final_t1"] - scores["sft_t1"], 4),
-            "held_out_questions": config.task.test_size,
-            "seconds": round(sum(stage["seconds"] for stage in stages.values()), 1),
-            "peak_rss_mib": max(stage["peak_rss_mib"] for stage in stages.values()), "stages": stages}
+            "gain_t1": round(scores["final_t1"] - scores["sft_t1"], 4), "held_out_questions": config.task.test_size,
+            "seconds": round(sum(own[name]["seconds"] for name in RECIPE_STAGES), 1),
+            "eval_seconds": round(sum(stage["seconds"] for name, stage in own.items() if name.startswith("eval")), 1),
+            "peak_rss_mib": max(stage["peak_rss_mib"] for stage in own.values()), "stages": own})
+    return results
+
+
+RECIPE_STAGES = ("data", "sft", "grpo")  # what `train.py --config configs/smollm2_cpu.yaml` runs on a fresh clone
 
 
 def meets_bar(result: dict) -> bool:
@@ -139,16 +154,21 @@ def table_columns(results: list[dict]) -> list[tuple]:
 
 def markdown_table(results: list[dict]) -> str:
     columns = table_columns(results)
-    lines = ["| seed | " + " | ".join(header for header, *_ in columns) + " | bar |", "|---" * (len(columns) + 2) + "|"]
-    for result in results:
-        cells = [form.format(read(result)) for _, read, form in columns]
-        lines.append(f"| {result['seed']} | " + " | ".join(cells) + f" | {'met' if meets_bar(result) else 'missed'} |")
-    if len(results) > 1:
-        for name, reduce in (("mean", statistics.mean), ("min", min), ("max", max)):
-            cells = [form.format(reduce(read(r) for r in results)) for _, read, form in columns]
-            lines.append(f"| {name} | " + " | ".join(cells) + " | |")
+    lines = ["| variant | seed | " + " | ".join(header for header, *_ in columns) + " | bar |",
+             "|---" * (len(columns) + 3) + "|"]
+    variants = list(dict.fromkeys(result.get("variant", "recipe") for result in results))
+    for variant in variants:
+        rows = [result for result in results if result.get("variant", "recipe") == variant]
+        for result in rows:
+            cells = [form.format(read(result)) for _, read, form in columns]
+            lines.append(f"| {variant} | {result['seed']} | " + " | ".join(cells) +
+                         f" | {'met' if meets_bar(result) else 'missed'} |")
+        if len(rows) > 1:
+            for name, reduce in (("mean", statistics.mean), ("min", min), ("max", max)):
+                cells = [form.format(reduce(read(r) for r in rows)) for _, read, form in columns]
+                lines.append(f"| {variant} | {name} | " + " | ".join(cells) + " | |")
     questions = results[0]["held_out_questions"]
-    forms = "; ".join(f"seed {r['seed']}: " + ", ".join(f"{key.split('_')[0]}n `{value}`" for key, value in
+    forms = "; ".join(f"{r.get('variant', 'recipe')} seed {r['seed']}: " + ", ".join(f"{key.split('_')[0]}n `{value}`" for key, value in
                                                          r["forms_final_greedy"].items() if key.endswith("/policy_form"))
                       for r in results)
     lines += ["", f"Success in % on {questions} held-out questions (one answer each; standard error <= "
@@ -169,7 +189,15 @@ def main() -> None:
     parser.add_argument("--out", help="write the results here as JSON")
     parser.add_argument("--work", default="runs/real_model_cpu", help="each seed's data, models and logs go in WORK/seedS")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads of every stage")
+    parser.add_argument("--variant", action="append", default=[], metavar="LABEL=KEY=VALUE[,KEY=VALUE]",
+                        help="also run GRPO from the same SFT model with these overrides (repeatable)")
     args = parser.parse_args()
+    variants = {"recipe": []}
+    for variant in args.variant:
+        label, _, overrides = variant.partition("=")
+        if not label or "=" not in overrides or label in variants:
+            parser.error(f"--variant {variant!r}: expected a new LABEL=section.key=value[,section.key=value]")
+        variants[label] = overrides.split(",")
     if args.seeds is not None and args.seeds < 1:
         parser.error("--seeds must be >= 1")
     seed_list = [args.seed] if args.seed is not None else list(range(args.seeds))
@@ -182,9 +210,9 @@ def main() -> None:
     results = []
     for seed in seed_list:
         print(f"== seed {seed} in {work / f'seed{seed}'}", flush=True)
-        results.append(run_seed(args.model, seed, work / f"seed{seed}", args.threads))
-        print(markdown_table(results[-1:]), flush=True)
-    report = {"model": args.model, "threads": args.threads, "cpu_count": os.cpu_count(), "bar": BAR,
+        results += run_seed(args.model, seed, work / f"seed{seed}", args.threads, variants)
+        print(markdown_table(results[-len(variants):]), flush=True)
+    report = {"model": args.model, "threads": args.threads, "cpu_count": os.cpu_count(), "bar": BAR, "variants": variants,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seeds": results,
               "bar_met_on_every_seed": all(meets_bar(result) for result in results)}
     if args.out:
