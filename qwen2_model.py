@@ -346,7 +346,7 @@ def masked_grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     folded = q.reshape(batch, k.shape[1], groups * length, head_dim)  # query head h = kv head h // groups
     tiled = mask.expand(batch, 1, length, mask.shape[-1]).repeat(1, 1, groups, 1)  # row g x L + l is row l
-    return F.scaled_dot_product_attention(folded, k, v, attn_mask=tiled).view(batch, heads, length, head_dim)
+    return F.scaled_dot_product_attention(folded, k, v, attn_mask=tiled).reshape(batch, heads, length, head_dim)
 
 
 class Attention(nn.Module):
