@@ -2,6 +2,7 @@
 
     uv run bench/real_model_cpu.py --model DIR_OR_HUB_ID (--seeds N | --seed S) [--out FILE.json]
                                    [--work runs/real_model_cpu] [--threads 2] [--variant LABEL=KEY=VALUE,...]
+                                   [--reuse EARLIER.json]
 
 For each seed it runs the recipe's stages as a user would, each as its own process with that seed:
 the CountDown dataset (`countdown_task.py generate`, configs/smollm2_cpu.yaml's bootstrap.dataset_args),
@@ -12,7 +13,8 @@ again from the same SFT model with those overrides (e.g. lora=model.lora.rank=1,
 and its final checkpoint is scored the same way: the recipe as configured is the row `recipe`. It prints a
 table, and with --out writes JSON: per seed and variant the success fractions, the recipe's wall seconds (data,
 SFT and GRPO: what `train.py --config configs/smollm2_cpu.yaml` runs), the evaluations' apart, and the peak RSS
-of the largest stage.
+of the largest stage. `--reuse EARLIER.json` (same --work) runs only the --variant rows, from the seeds' data, SFT
+models and SFT scores of that earlier run, and reports them beside its rows.
 
 A small model can raise its score by writing one fixed form for every question (say `a + b - c`, the numbers
 in the order given) when the data holds many questions that form solves. So the bench reports, per number
@@ -73,13 +75,21 @@ def evaluate_stage(name: str, model_dir: Path, temperature: float, config: Train
         "--set", f"task.test_size={config.task.test_size}", "--set", f"task.question_last={config.task.question_last}",
         "--set", f"eval.batch_size={config.eval.batch_size}", "--set", f"eval.max_gen_len={config.rollout.max_gen_len}",
         "--set", f"seed={config.seed}", "--set", "progress=false"], work)
-    return stage, [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    return stage, read_samples(out)
 
 
-def run_seed(model: str, seed: int, work: Path, threads: int, variants: dict[str, list[str]]) -> list[dict]:
-    """One result per variant (`recipe`: the config as it is), all from this seed's data and SFT model."""
+def seed_config(seed: int, work: Path) -> TrainConfig:
+    return config_lib.load(TrainConfig, [str(GRPO_CONFIG)], [f"seed={seed}", f"task.data_dir={work / 'countdown'}"])
+
+
+def read_samples(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def warm_up(model: str, seed: int, work: Path, threads: int) -> tuple[dict, dict]:
+    """The seed's data and SFT model, and the SFT model's answers: (stages, samples)."""
     work.mkdir(parents=True)
-    config = config_lib.load(TrainConfig, [str(GRPO_CONFIG)], [f"seed={seed}", f"task.data_dir={work / 'countdown'}"])
+    config = seed_config(seed, work)
     sft_settings = [f"model.dir={model}", f"output_dir={work / 'sft-model'}", f"seed={seed}", f"cpu_threads={threads}",
                     f"task.data_dir={work / 'countdown'}", f"logging.log_dir={work / 'logs'}", "run_name=sft",
                     "progress=false"]
@@ -91,6 +101,19 @@ def run_seed(model: str, seed: int, work: Path, threads: int, variants: dict[str
     for kind, temperature in (("greedy", 0.0), ("t1", 1.0)):
         stages[f"eval_sft_{kind}"], samples[f"sft_{kind}"] = evaluate_stage(
             f"eval_sft_{kind}", work / "sft-model", temperature, config, work, threads)
+    return stages, samples
+
+
+def reused_warm_up(earlier: dict, work: Path) -> tuple[dict, dict]:
+    """warm_up's result as an earlier run in `work` left it (its stages' records, its SFT answers)."""
+    stages = {name: earlier["stages"][name] for name in ("data", "sft", "eval_sft_greedy", "eval_sft_t1")}
+    return stages, {f"sft_{kind}": read_samples(work / f"eval_sft_{kind}.jsonl") for kind in ("greedy", "t1")}
+
+
+def run_seed(seed: int, work: Path, threads: int, variants: dict[str, list[str]], stages: dict,
+             samples: dict) -> list[dict]:
+    """One result per variant (`recipe`: the config as it is), all from this seed's data and SFT model."""
+    config = seed_config(seed, work)
     baseline = shortcut_baseline(CountdownDataset(work / "countdown", None, "train", test_size=config.task.test_size))
     results = []
     for variant, overrides in variants.items():
@@ -173,7 +196,7 @@ def markdown_table(results: list[dict]) -> str:
                       for r in results)
     lines += ["", f"Success in % on {questions} held-out questions (one answer each; standard error <= "
               f"{100 * (0.25 / questions) ** 0.5:.1f} points). SFT = GRPO's start. minutes: the whole recipe (data, "
-              "SFT, GRPO, the four evaluations); peak RSS: its largest stage. Nn columns (greedy, questions with N "
+              "SFT, GRPO; the evaluations apart); peak RSS: its largest stage. Nn columns (greedy, questions with N "
               "numbers): the SFT and final success; the share the best single fixed form and the 10 best forms "
               "together solve (chosen on training rows); the final success on the questions none of those 10 solves; "
               f"the share of the final answers in their most used form ({forms}). See docs/tasks_and_rewards.md."]
@@ -191,8 +214,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads of every stage")
     parser.add_argument("--variant", action="append", default=[], metavar="LABEL=KEY=VALUE[,KEY=VALUE]",
                         help="also run GRPO from the same SFT model with these overrides (repeatable)")
+    parser.add_argument("--reuse", metavar="EARLIER.json", help="an earlier --out of this bench with the same --work: "
+                        "run only the --variant rows from its seeds' data and SFT models")
     args = parser.parse_args()
-    variants = {"recipe": []}
+    earlier = json.loads(Path(args.reuse).read_text()) if args.reuse else None
+    variants = dict(earlier["variants"]) if earlier else {"recipe": []}
     for variant in args.variant:
         label, _, overrides = variant.partition("=")
         if not label or "=" not in overrides or label in variants:
@@ -202,18 +228,31 @@ def main() -> None:
         parser.error("--seeds must be >= 1")
     seed_list = [args.seed] if args.seed is not None else list(range(args.seeds))
     work = Path(args.work).resolve()
+    earlier_rows = {row["seed"]: row for row in earlier["seeds"] if row["variant"] == "recipe"} if earlier else {}
     for seed in seed_list:
-        if (work / f"seed{seed}").exists():
+        if earlier and not (seed in earlier_rows and (work / f"seed{seed}" / "sft-model").is_dir()):
+            parser.error(f"--reuse {args.reuse}: seed {seed} has no recipe row there or no SFT model in "
+                         f"{work / f'seed{seed}'}: pass the --work and seeds of that run")
+        if not earlier and (work / f"seed{seed}").exists():
             parser.error(f"{work / f'seed{seed}'} exists from an earlier run: delete it or pass another --work")
+    new_variants = {label: overrides for label, overrides in variants.items()
+                    if not earlier or label not in earlier["variants"]}
+    if earlier and not new_variants:
+        parser.error("--reuse runs only --variant rows: name at least one new LABEL")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    results = []
+    results = [row for row in earlier["seeds"] if row["seed"] in seed_list] if earlier else []
     for seed in seed_list:
-        print(f"== seed {seed} in {work / f'seed{seed}'}", flush=True)
-        results += run_seed(args.model, seed, work / f"seed{seed}", args.threads, variants)
-        print(markdown_table(results[-len(variants):]), flush=True)
+        seed_work = work / f"seed{seed}"
+        print(f"== seed {seed} in {seed_work}", flush=True)
+        stages, samples = (reused_warm_up(earlier_rows[seed], seed_work) if earlier
+                           else warm_up(args.model, seed, seed_work, args.threads))
+        results += run_seed(seed, seed_work, args.threads, new_variants, stages, samples)
+        print(markdown_table(results[-len(new_variants):]), flush=True)
+    results.sort(key=lambda row: (list(variants).index(row["variant"]), row["seed"]))
     report = {"model": args.model, "threads": args.threads, "cpu_count": os.cpu_count(), "bar": BAR, "variants": variants,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seeds": results,
+              **({"reused": {"file": args.reuse, "date": earlier["date"]}} if earlier else {}),
               "bar_met_on_every_seed": all(meets_bar(result) for result in results)}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

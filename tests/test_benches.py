@@ -251,6 +251,29 @@ def test_real_model_table_shows_the_shortcut_baseline_per_number_count():
     assert "seed 0: 3n `a + b - c`, 4n `none`" in lines[-1]
 
 
+def test_real_model_reuse_runs_only_new_variants_of_the_earlier_run(tmp_path, monkeypatch, capsys):
+    """--reuse takes the seeds' data and SFT models of an earlier run: refused where they are not there, or with
+    nothing new to run, before any stage starts."""
+    from bench import real_model_cpu
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"variants": {"recipe": []}, "date": "2026-12-05 13:45 UTC",
+                                   "seeds": [{"seed": 0, "variant": "recipe", "stages": {}}]}))
+    monkeypatch.setattr(real_model_cpu, "run_stage", lambda *args: pytest.fail("a stage ran"))
+
+    def refusal(*arguments: str) -> str:
+        monkeypatch.setattr(sys, "argv", ["real_model_cpu.py", "--model", "m", "--work", str(tmp_path), *arguments])
+        with pytest.raises(SystemExit):
+            real_model_cpu.main()
+        return capsys.readouterr().err
+
+    assert "seed 0 has no recipe row there or no SFT model" in refusal("--seeds", "1", "--reuse", str(earlier),
+                                                                       "--variant", "lora=model.lora.rank=1")
+    (tmp_path / "seed0" / "sft-model").mkdir(parents=True)
+    assert "seed 1 has no recipe row" in refusal("--seeds", "2", "--reuse", str(earlier), "--variant", "l=a.b=1")
+    assert "name at least one new LABEL" in refusal("--seeds", "1", "--reuse", str(earlier))
+    assert "expected a new LABEL" in refusal("--seeds", "1", "--reuse", str(earlier), "--variant", "recipe=a.b=1")
+
+
 def test_a_resume_maps_the_trainer_state_instead_of_holding_a_second_copy(capsys):
     """The offloaded AdamW's moments, resumed: read whole, the host holds them twice; mapped, once."""
     report = resume_memory.main(["--megabytes", "64", "--rounds", "1"])
