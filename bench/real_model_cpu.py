@@ -242,20 +242,21 @@ def main() -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     results = [row for row in earlier["seeds"] if row["seed"] in seed_list] if earlier else []
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     for seed in seed_list:
         seed_work = work / f"seed{seed}"
         print(f"== seed {seed} in {seed_work}", flush=True)
         stages, samples = (reused_warm_up(earlier_rows[seed], seed_work) if earlier
                            else warm_up(args.model, seed, seed_work, args.threads))
         results += run_seed(seed, seed_work, args.threads, new_variants, stages, samples)
-        print(markdown_table(results[-len(new_variants):]), flush=True)
-    results.sort(key=lambda row: (list(variants).index(row["variant"]), row["seed"]))
-    report = {"model": args.model, "threads": args.threads, "cpu_count": os.cpu_count(), "bar": BAR, "variants": variants,
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seeds": results,
-              **({"reused": {"file": args.reuse, "date": earlier["date"]}} if earlier else {}),
-              "bar_met_on_every_seed": all(meets_bar(result) for result in results)}
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        results.sort(key=lambda row: (list(variants).index(row["variant"]), row["seed"]))
+        print(markdown_table([row for row in results if row["seed"] == seed]), flush=True)
+        if args.out:  # after every seed: a run stopped later keeps the seeds it finished
+            report = {"model": args.model, "threads": args.threads, "cpu_count": os.cpu_count(), "bar": BAR,
+                      "variants": variants, "date": f"{started} to {time.strftime('%H:%M UTC', time.gmtime())}",
+                      "seeds": results, **({"reused": {"file": args.reuse, "date": earlier["date"]}} if earlier else {}),
+                      "bar_met_on_every_seed": all(meets_bar(result) for result in results)}
+            Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(markdown_table(results))
 
 
