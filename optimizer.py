@@ -110,21 +110,21 @@ class MemoryEfficientAdamW(torch.optim.Optimizer):
         On a GPU the copies run on a stream of their own, the next piece's gradient already on its way while this
         piece's AdamW runs, the new weights going back without blocking, through two pairs of pinned buffers that
         serve every piece of every step."""
-        pieces = [(param, grad, start) for param, grad in params_with_grad
+        pieces = [(param, grad, start, self._master(param)) for param, grad in params_with_grad
                   for start in range(0, param.numel(), OFFLOAD_PIECE)]
         if not pieces:
             return
         staging = HostStaging(self, pieces[0][0].device)
-        incoming = staging.fetch(*pieces[0], with_weights=self._master(pieces[0][0]) is None, slot=0)
-        for index, (param, grad, start) in enumerate(pieces):
+        param, grad, start, master = pieces[0]
+        incoming = staging.fetch(param, grad, start, with_weights=master is None, slot=0)
+        for index, (param, grad, start, master) in enumerate(pieces):
             host_grad, host_weights = incoming
             if index + 1 < len(pieces):  # the next piece's copies, queued before this piece's AdamW runs
-                following = pieces[index + 1]
-                incoming = staging.fetch(*following, with_weights=self._master(following[0]) is None,
+                next_param, next_grad, next_start, next_master = pieces[index + 1]
+                incoming = staging.fetch(next_param, next_grad, next_start, with_weights=next_master is None,
                                          slot=(index + 1) % 2)
             staging.wait(index % 2)
             state = self._state(param, torch.device("cpu"), torch.float32)
-            master = self._master(param)
             end = min(start + OFFLOAD_PIECE, param.numel())
             # The master's piece, else the weights upcast: host_weights itself when they are float32.
             updated = master.view(-1)[start:end] if master is not None else host_weights.float()
