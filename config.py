@@ -574,14 +574,18 @@ class SFTDataConfig:
     eval_jsonl: str | None = None  # held-out pairs for the loss; null: the last eval_size training pairs
     eval_size: int = 200
     max_seq_len: int = 1024  # longer pairs are left out
-    # The task's reference responses: "solution" (its steps, then the answer), or "search" (CountDown only:
-    # a search's failed tries, then the solution it finds; countdown_task.sft_search_response).
-    response: Literal["solution", "search"] = "solution"
+    # The task's reference responses: "solution" (its steps, then the answer); CountDown also "search" (a
+    # search's first failed tries, then the solution it finds: countdown_task.sft_search_response) and
+    # "full_search" (every try in the search's order; questions it needs more than search_max_tries for are
+    # left out of training: countdown_task.sft_full_search_response).
+    response: Literal["solution", "search", "full_search"] = "solution"
+    search_max_tries: int = 6  # full_search: 3-number questions take ~2 tries on average, 4-number ones ~20
 
     def validate(self) -> None:
         paths(self, "train_jsonl", "eval_jsonl")
         at_least(self, "eval_size", 1)
         at_least(self, "max_seq_len", 2)
+        within(self, "search_max_tries", 1, 1000)
 
 
 @dataclass
@@ -626,7 +630,8 @@ class SFTConfig:
         common_run_keys(self)
         paths(self, "output_dir")
         check(self.data.response == "solution" or self.task.name == "countdown", "data.response",
-              f"'search' is a CountDown response; task.name {self.task.name!r} has 'solution' only", self.data.response)
+              f"{self.data.response!r} is a CountDown response; task.name {self.task.name!r} has 'solution' only",
+              self.data.response)
         check(bool(self.data.train_jsonl) or self.task.is_builtin or has_sft_response(self.task.name), "task.name",
               "SFT learns the task's reference responses and this module has no sft_response(item): add one, or "
               "give pairs in data.train_jsonl", self.task.name)

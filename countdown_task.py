@@ -418,37 +418,47 @@ SEARCH_DEAD_ENDS = 2  # failed tries a search response writes at most: 4-number 
 
 def sft_search_response(item: dict, max_dead_ends: int = SEARCH_DEAD_ENDS) -> str:
     """A reference response for SFT that searches (Stream-of-Search's lesson: a model trained on search traces
-    learns to search, one trained on solutions only to guess a path): the tries of search_tries, each with its
-    steps, the failed ones ending "(not TARGET)", then the solution found.
+    learns to search, one trained on solutions only to guess a path): the first max_dead_ends failed tries of
+    search_tries, then the solution it finds, each try with its steps, the failed ones ending "(not TARGET)".
     ` 44 + 35 = 79, 79 - 19 = 60 (not 98); 44 + 19 = 63, 63 + 35 = 98 </think>\n<answer> 44 + 19 + 35 </answer>`"""
-    tries = search_tries(item["nums"], item["target"], max_dead_ends)
-    written = [", ".join(tree_steps(tree)) + ("" if tree[0] == item["target"] else f" (not {item['target']})")
-               for tree in tries]
+    tries = search_tries(item["nums"], item["target"])
+    if tries[-1][0] != item["target"]:
+        raise ValueError(f"{item['nums']} -> {item['target']} has no solution with integer steps")
+    return search_response(tries[: min(len(tries) - 1, max_dead_ends)] + tries[-1:], item["target"])
+
+
+def sft_full_search_response(item: dict, max_tries: int) -> str | None:
+    """A search response that writes every try of search_tries in the order the search made them, so each
+    try's outcome follows from its own steps and the trace never jumps to an answer it has not reached; None
+    when the search needs more than max_tries tries (SFT leaves such a question out)."""
+    tries = search_tries(item["nums"], item["target"], max_tries)
+    return search_response(tries, item["target"]) if tries[-1][0] == item["target"] else None
+
+
+def search_response(tries: list[Node], target: int) -> str:
+    written = [", ".join(tree_steps(tree)) + ("" if tree[0] == target else f" (not {target})") for tree in tries]
     return f" {'; '.join(written)} </think>\n<answer> {render(tries[-1])[0]} </answer>"
 
 
-def search_tries(numbers: list[int], target: int, max_dead_ends: int) -> list[Node]:
+def search_tries(numbers: list[int], target: int, max_tries: int | None = None) -> list[Node]:
     """The complete tries (trees over all the numbers) of a depth-first search over integer steps that takes
-    the step whose value is nearest the target first and, at the last step, only that step: its first
-    max_dead_ends failures, then its solution. The search is complete, so a solvable task always ends solved."""
+    the step whose value is nearest the target first and, at the last step, only that step (the nearest is
+    the target whenever a step reaches it, so the search stays complete), in the order it makes them: up to
+    the first that hits the target, or the first max_tries."""
     tries: list[Node] = []
 
-    def search(nodes: list[Node]) -> Node | None:
+    def search(nodes: list[Node]) -> bool:
         if len(nodes) == 1:
             tries.append(nodes[0])
-            return nodes[0] if nodes[0][0] == target else None
+            return nodes[0][0] == target
         candidates = [(combined, rest) for first, second, rest in node_pairs(nodes)
                       for combined in integer_steps(first, second)]
         candidates.sort(key=lambda candidate: abs(candidate[0][0] - target))
-        for combined, rest in candidates[: 1 if len(nodes) == 2 else None]:
-            if (solution := search(rest + [combined])) is not None:
-                return solution
-        return None
+        return any(search(rest + [combined]) for combined, rest in candidates[: 1 if len(nodes) == 2 else None]
+                   if max_tries is None or len(tries) < max_tries)
 
-    solution = search([(number, None, None, None) for number in numbers])
-    if solution is None:
-        raise ValueError(f"{numbers} -> {target} has no solution with integer steps")
-    return tries[: min(len(tries) - 1, max_dead_ends)] + [solution]
+    search([(number, None, None, None) for number in numbers])
+    return tries
 
 
 def tree_steps(node: Node) -> list[str]:

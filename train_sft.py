@@ -168,17 +168,30 @@ def tokenize_pairs(pairs: list[dict], tokenizer, max_seq_len: int, progress: boo
     return examples
 
 
+def with_responses(pairs: list[dict], config: SFTConfig) -> list[dict]:
+    """The pairs that have a response: a full search leaves out the questions it needs too many tries for."""
+    kept = [pair for pair in pairs if pair["response"] is not None]
+    config_lib.check(bool(kept), "data.search_max_tries", "the search solves none of these questions within "
+                     "that many tries: raise it", config.data.search_max_tries)
+    if len(kept) < len(pairs):
+        logger.info("data.response full_search: %d of %d questions solved within %d tries; the rest left out",
+                    len(kept), len(pairs), config.data.search_max_tries)
+    return kept
+
+
 def load_examples(config: SFTConfig, tokenizer):
     if config.data.train_jsonl:
         train_pairs = read_pairs(config.data.train_jsonl)
     else:
-        train_pairs = tasks.sft_pairs(config.task, tokenizer, config.data.response)
+        train_pairs = tasks.sft_pairs(config.task, tokenizer, config.data)
     if config.data.eval_jsonl:
         eval_pairs = read_pairs(config.data.eval_jsonl)
     else:
         config_lib.check(config.data.eval_size < len(train_pairs), "data.eval_size", f"must leave training pairs: "
                          f"below the {len(train_pairs)} pairs there are", config.data.eval_size)
+        # Split by row before leaving any out, so the held-out pairs stay those of task_eval_set's questions.
         eval_pairs, train_pairs = train_pairs[-config.data.eval_size :], train_pairs[: -config.data.eval_size]
+    train_pairs, eval_pairs = with_responses(train_pairs, config), with_responses(eval_pairs, config)
     progress = config.progress and distributed.is_main_process()
     return (tokenize_pairs(train_pairs, tokenizer, config.data.max_seq_len, progress),
             tokenize_pairs(eval_pairs, tokenizer, config.data.max_seq_len, progress))

@@ -2,12 +2,13 @@
 
     uv run bench/real_model_cpu.py --model DIR_OR_HUB_ID (--seeds N | --seed S) [--out FILE.json]
                                    [--work runs/real_model_cpu] [--threads 2] [--variant LABEL=KEY=VALUE,...]
-                                   [--reuse EARLIER.json]
+                                   [--reuse EARLIER.json] [--config configs/smollm2_cpu.yaml ...]
 
 For each seed it runs the recipe's stages as a user would, each as its own process with that seed:
 the CountDown dataset (`countdown_task.py generate`, configs/smollm2_cpu.yaml's bootstrap.dataset_args),
 the SFT warm-up (`train_sft.py --config configs/smollm2_cpu_sft.yaml`), GRPO (`train.py --config
-configs/smollm2_cpu.yaml`), and `evaluate.py` on the SFT model (GRPO's start) and on the final checkpoint,
+configs/smollm2_cpu.yaml`; --config, repeatable as train.py's, names other GRPO configs, whose
+bootstrap.sft_config and sft_overrides are the warm-up's), and `evaluate.py` on the SFT model (GRPO's start) and on the final checkpoint,
 greedy and at T=1, over the held-out questions (task.test_size, never trained on). Each --variant runs GRPO
 again from the same SFT model with those overrides (e.g. lora=model.lora.rank=1,optim.learning_rate=3e-4),
 and its final checkpoint is scored the same way: the recipe as configured is the row `recipe`. It prints a
@@ -40,7 +41,7 @@ import config as config_lib  # noqa: E402
 from config import TrainConfig  # noqa: E402
 from countdown_task import CountdownDataset, shortcut_baseline  # noqa: E402
 
-GRPO_CONFIG = REPO / "configs" / "smollm2_cpu.yaml"
+RECIPE_CONFIG = REPO / "configs" / "smollm2_cpu.yaml"
 # The bar of issue 42, per seed, greedy on the 3-number questions (fractions, seconds, MiB): success above the best
 # single fixed form's coverage, success on the questions none of the 10 best forms solves, GRPO's own gain.
 BAR = {"above_best_form_min": 0.10, "outside_top10_min": 0.10, "gain_min": 0.10, "seconds_max": 2700,
@@ -78,19 +79,19 @@ def evaluate_stage(name: str, model_dir: Path, temperature: float, config: Train
     return stage, read_samples(out)
 
 
-def seed_config(seed: int, work: Path) -> TrainConfig:
-    return config_lib.load(TrainConfig, [str(GRPO_CONFIG)], [f"seed={seed}", f"task.data_dir={work / 'countdown'}"])
+def seed_config(grpo_configs: list[str], seed: int, work: Path) -> TrainConfig:
+    return config_lib.load(TrainConfig, grpo_configs, [f"seed={seed}", f"task.data_dir={work / 'countdown'}"])
 
 
 def read_samples(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def warm_up(model: str, seed: int, work: Path, threads: int) -> tuple[dict, dict]:
+def warm_up(grpo_configs: list[str], model: str, seed: int, work: Path, threads: int) -> tuple[dict, dict]:
     """The seed's data and SFT model, and the SFT model's answers: (stages, samples)."""
     work.mkdir(parents=True)
-    config = seed_config(seed, work)
-    sft_settings = [f"model.dir={model}", f"output_dir={work / 'sft-model'}", f"seed={seed}", f"cpu_threads={threads}",
+    config = seed_config(grpo_configs, seed, work)
+    sft_settings = [*config.bootstrap.sft_overrides, f"model.dir={model}", f"output_dir={work / 'sft-model'}", f"seed={seed}", f"cpu_threads={threads}",
                     f"task.data_dir={work / 'countdown'}", f"logging.log_dir={work / 'logs'}", "run_name=sft",
                     "progress=false"]
     stages, samples = {}, {}
@@ -110,10 +111,10 @@ def reused_warm_up(earlier: dict, work: Path) -> tuple[dict, dict]:
     return stages, {f"sft_{kind}": read_samples(work / f"eval_sft_{kind}.jsonl") for kind in ("greedy", "t1")}
 
 
-def run_seed(seed: int, work: Path, threads: int, variants: dict[str, list[str]], stages: dict,
+def run_seed(grpo_configs: list[str], seed: int, work: Path, threads: int, variants: dict[str, list[str]], stages: dict,
              samples: dict) -> list[dict]:
     """One result per variant (`recipe`: the config as it is), all from this seed's data and SFT model."""
-    config = seed_config(seed, work)
+    config = seed_config(grpo_configs, seed, work)
     baseline = shortcut_baseline(CountdownDataset(work / "countdown", None, "train", test_size=config.task.test_size))
     results = []
     for variant, overrides in variants.items():
@@ -122,7 +123,7 @@ def run_seed(seed: int, work: Path, threads: int, variants: dict[str, list[str]]
                          f"checkpoint.dir={work / 'checkpoints'}", f"run_name=grpo-{variant}", "progress=false",
                          *overrides]
         final = work / "checkpoints" / f"grpo-{variant}" / f"step_{config.optim.num_steps:06d}"
-        own = {**stages, "grpo": run_stage(f"grpo-{variant}", ["train.py", "--config", str(GRPO_CONFIG), *[
+        own = {**stages, "grpo": run_stage(f"grpo-{variant}", ["train.py", *[f"--config={path}" for path in grpo_configs], *[
             f"--set={setting}" for setting in grpo_settings]], work)}
         scored = {key: value for key, value in samples.items()}
         for kind, temperature in (("greedy", 0.0), ("t1", 1.0)):
@@ -216,8 +217,17 @@ def main() -> None:
                         help="also run GRPO from the same SFT model with these overrides (repeatable)")
     parser.add_argument("--reuse", metavar="EARLIER.json", help="an earlier --out of this bench with the same --work: "
                         "run only the --variant rows from its seeds' data and SFT models")
+    parser.add_argument("--config", action="append", help="the GRPO config; repeat to merge several in order, as "
+                        "train.py does (default: configs/smollm2_cpu.yaml)")
     args = parser.parse_args()
+    args.config = args.config or [str(RECIPE_CONFIG.relative_to(REPO))]
+    for path in args.config:
+        if not Path(path).is_file():
+            parser.error(f"--config {path}: no such file")
     earlier = json.loads(Path(args.reuse).read_text()) if args.reuse else None
+    earlier_configs = earlier and earlier.get("config", [str(RECIPE_CONFIG.relative_to(REPO))])  # older: the recipe's
+    if earlier and earlier_configs != args.config:
+        parser.error(f"--reuse {args.reuse} ran --config {' '.join(earlier_configs)}: pass the same --config")
     variants = dict(earlier["variants"]) if earlier else {"recipe": []}
     for variant in args.variant:
         label, _, overrides = variant.partition("=")
@@ -247,12 +257,12 @@ def main() -> None:
         seed_work = work / f"seed{seed}"
         print(f"== seed {seed} in {seed_work}", flush=True)
         stages, samples = (reused_warm_up(earlier_rows[seed], seed_work) if earlier
-                           else warm_up(args.model, seed, seed_work, args.threads))
-        results += run_seed(seed, seed_work, args.threads, new_variants, stages, samples)
+                           else warm_up(args.config, args.model, seed, seed_work, args.threads))
+        results += run_seed(args.config, seed, seed_work, args.threads, new_variants, stages, samples)
         results.sort(key=lambda row: (list(variants).index(row["variant"]), row["seed"]))
         print(markdown_table([row for row in results if row["seed"] == seed]), flush=True)
         if args.out:  # after every seed: a run stopped later keeps the seeds it finished
-            report = {"model": args.model, "threads": args.threads, "cpu_count": os.cpu_count(), "bar": BAR,
+            report = {"model": args.model, "config": args.config, "threads": args.threads, "cpu_count": os.cpu_count(), "bar": BAR,
                       "variants": variants, "date": f"{started} to {time.strftime('%H:%M UTC', time.gmtime())}",
                       "seeds": results, **({"reused": {"file": args.reuse, "date": earlier["date"]}} if earlier else {}),
                       "bar_met_on_every_seed": all(meets_bar(result) for result in results)}

@@ -272,6 +272,10 @@ def test_real_model_reuse_runs_only_new_variants_of_the_earlier_run(tmp_path, mo
     assert "seed 1 has no recipe row" in refusal("--seeds", "2", "--reuse", str(earlier), "--variant", "l=a.b=1")
     assert "name at least one new LABEL" in refusal("--seeds", "1", "--reuse", str(earlier))
     assert "expected a new LABEL" in refusal("--seeds", "1", "--reuse", str(earlier), "--variant", "recipe=a.b=1")
+    assert "--config nowhere.yaml: no such file" in refusal("--seeds", "1", "--config", "nowhere.yaml")
+    # An earlier run without a "config" key ran the recipe's config; its SFT models do not fit another one.
+    assert "ran --config configs/smollm2_cpu.yaml: pass the same --config" in refusal(
+        "--seeds", "1", "--reuse", str(earlier), "--config", "configs/cpu_demo.yaml", "--variant", "l=a.b=1")
 
 
 def test_a_resume_maps_the_trainer_state_instead_of_holding_a_second_copy(capsys):

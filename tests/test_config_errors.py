@@ -139,7 +139,9 @@ def test_prompt_limit_no_prompt_fits_is_refused_before_the_bootstrap_works(tmp_p
     ("seed=-3", "seed: must be in [0, 4294967295], got -3"),
     ("optim.learning_rate=nan", "optim.learning_rate: must be a finite number, got 'nan'"),
     ("optim.min_learning_rate_ratio=.inf", "optim.min_learning_rate_ratio: must be a finite number, got inf"),
-    ("data.response=trace", "data.response: 'trace' is not allowed; use one of 'solution', 'search'"),
+    ("data.response=trace", "data.response: 'trace' is not allowed; use one of 'solution', 'search', 'full_search'"),
+    ("data.search_max_tries=0", "data.search_max_tries: must be in [1, 1000], got 0"),
+    ("task.name=gsm8k data.response=full_search", "data.response: 'full_search' is a CountDown response"),
     ("task.name=gsm8k data.response=search", "data.response: 'search' is a CountDown response; task.name 'gsm8k' "
      "has 'solution' only, got 'search'"),
 ])

@@ -2,6 +2,7 @@
 
 import itertools
 import logging
+import operator
 import random
 import re
 import string
@@ -584,6 +585,49 @@ def test_search_response_by_hand():
         " 11 + 6 = 17, 93 - 17 = 76 (not 27); 11 * 6 = 66, 93 - 66 = 27 </think>\n<answer> 93 - 11 * 6 </answer>")
 
 
+def test_full_search_response_by_hand():
+    # [5, 7, 3] -> 36: first steps by distance to 36 are 7 * 5 = 35, 7 * 3 = 21, 5 * 3 = 15, 7 + 5 = 12; the last
+    # step nearest 36 from [35, 3] is 38, from [21, 5] 26, from [15, 7] 22, from [12, 3] 36: three dead ends.
+    item = {"nums": [5, 7, 3], "target": 36}
+    assert countdown_task.sft_full_search_response(item, max_tries=4) == (
+        " 7 * 5 = 35, 35 + 3 = 38 (not 36); 7 * 3 = 21, 21 + 5 = 26 (not 36); 5 * 3 = 15, 15 + 7 = 22 (not 36); "
+        "7 + 5 = 12, 12 * 3 = 36 </think>\n<answer> (7 + 5) * 3 </answer>")
+    assert countdown_task.sft_full_search_response(item, max_tries=3) is None
+    # The capped search response jumps from its second dead end to the solution instead.
+    assert countdown_task.sft_search_response(item) == (
+        " 7 * 5 = 35, 35 + 3 = 38 (not 36); 7 * 3 = 21, 21 + 5 = 26 (not 36); 7 + 5 = 12, 12 * 3 = 36 </think>\n"
+        "<answer> (7 + 5) * 3 </answer>")
+
+
+def last_step_values(big: int, small: int) -> list[int]:
+    return [big + small, big * small, big - small] + ([big // small] if small and big % small == 0 else [])
+
+
+def test_full_search_responses_write_the_search_in_its_order(tmp_path):
+    rows = generate(tmp_path, "--size", "120", "--seed", "7").to_pylist()
+    tries_needed = Counter()
+    for row in rows:
+        target, uncapped = row["target"], countdown_task.search_tries(row["nums"], row["target"])
+        assert uncapped[-1][0] == target and all(tree[0] != target for tree in uncapped[:-1])  # complete
+        for max_tries in (1, 6):
+            response = countdown_task.sft_full_search_response(row, max_tries)
+            assert (response is None) == (len(uncapped) > max_tries)
+        response = countdown_task.sft_full_search_response(row, len(uncapped))
+        assert grade(response, row["nums"], target)["reward"] == pytest.approx(1.1)
+        written = [attempt.removesuffix(f" (not {target})").split(", ")
+                   for attempt in response.split(" </think>")[0].strip().split("; ")]
+        assert [replay(row["nums"], steps) for steps in written] == [tree[0] for tree in uncapped]
+        if len(row["nums"]) == 3:
+            # One try per first step, nearest the target first, each ending in the last step nearest the target.
+            first_values = [int(steps[0].split()[-1]) for steps in written]
+            assert [abs(value - target) for value in first_values] == sorted(abs(v - target) for v in first_values)
+            for steps in written:
+                big, _, small, _, value = steps[1].split()
+                assert abs(int(value) - target) == min(abs(v - target) for v in last_step_values(int(big), int(small)))
+        tries_needed[len(row["nums"]), min(len(uncapped), 7)] += 1
+    assert tries_needed[3, 1] and tries_needed[3, 7] and tries_needed[4, 7]  # at once, and beyond the cap
+
+
 def replay(numbers: list[int], steps: list[str]) -> int:
     """The value of a try's steps, checking that each uses two numbers still available as an integer step."""
     available = Counter(numbers)
@@ -594,7 +638,8 @@ def replay(numbers: list[int], steps: list[str]) -> int:
         available[left] -= 1
         assert available[right] > 0, step
         available[right] -= 1
-        assert value == {"+": left + right, "-": left - right, "*": left * right, "/": left // right}[symbol], step
+        assert value == {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.floordiv}[symbol](
+            left, right), step
         assert symbol != "/" or left % right == 0, step
         available[value] += 1
     assert sum(available.values()) == 1

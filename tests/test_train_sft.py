@@ -120,6 +120,27 @@ def test_success_is_scored_on_held_out_training_questions_not_the_test_split(tmp
         test_set[i]["prompt"] for i in range(8)]
 
 
+def test_full_search_leaves_out_unsolved_questions_after_holding_out_by_row(tmp_path, tiny_model_dir,
+                                                                          countdown_with_solutions):
+    config = sft_config(tmp_path, tiny_model_dir, countdown_with_solutions, "data.response=full_search",
+                        "data.search_max_tries=1")
+    tokenizer = Tokenizer(tiny_model_dir)
+    train_set = tasks.load_dataset(config.task, tokenizer, "train")
+    solved = [countdown_task.sft_full_search_response(train_set.example(i), 1) is not None
+              for i in range(len(train_set))]
+    assert 0 < sum(solved) < len(solved)
+    train_examples, eval_examples = train_sft.load_examples(config, tokenizer)
+    prompts = [train_set.example(i)["prompt"] for i in range(len(train_set))]
+    held_out = len(prompts) - 16  # the last 16 rows, task_eval_set's questions, whether solved or not
+    assert [tokenizer.decode(ids[:length]) for ids, length in eval_examples] == [
+        prompt for prompt, ok in zip(prompts[held_out:], solved[held_out:]) if ok]
+    assert [tokenizer.decode(ids[:length]) for ids, length in train_examples] == [
+        prompt for prompt, ok in zip(prompts[:held_out], solved[:held_out]) if ok]
+    with pytest.raises(config_lib.ConfigError, match=r"^data.search_max_tries: the search solves none of these "
+                       r"questions within that many tries: raise it, got 1$"):
+        train_sft.with_responses([{"prompt": "p", "response": None}], config)
+
+
 @pytest.mark.parametrize("stop_at_success, expected_steps", [(0.5, 4), (None, 12)])
 def test_stop_at_success_ends_at_the_first_evaluation_that_reaches_it(stop_at_success, expected_steps, tmp_path,
                                                                       tiny_model_dir, countdown_with_solutions,
