@@ -8,8 +8,8 @@ For each seed it runs the recipe's stages as a user would, each as its own proce
 the CountDown dataset (`countdown_task.py generate`, configs/smollm2_cpu.yaml's bootstrap.dataset_args),
 the SFT warm-up (`train_sft.py --config configs/smollm2_cpu_sft.yaml`), GRPO (`train.py --config
 configs/smollm2_cpu.yaml`; --config, repeatable as train.py's, names other GRPO configs, whose
-bootstrap.sft_config and sft_overrides are the warm-up's), and `evaluate.py` on the SFT model (GRPO's start) and on the final checkpoint,
-greedy and at T=1, over the held-out questions (task.test_size, never trained on). Each --variant runs GRPO
+bootstrap.sft_config and sft_overrides are the warm-up's), and `evaluate.py` on the SFT model (GRPO's start)
+and on the final checkpoint, greedy and at T=1, over the held-out questions (task.test_size, never trained on). Each --variant runs GRPO
 again from the same SFT model with those overrides (e.g. lora=model.lora.rank=1,optim.learning_rate=3e-4),
 and its final checkpoint is scored the same way: the recipe as configured is the row `recipe`. It prints a
 table, and with --out writes JSON: per seed and variant the success fractions, the recipe's wall seconds (data,
@@ -91,8 +91,8 @@ def warm_up(grpo_configs: list[str], model: str, seed: int, work: Path, threads:
     """The seed's data and SFT model, and the SFT model's answers: (stages, samples)."""
     work.mkdir(parents=True)
     config = seed_config(grpo_configs, seed, work)
-    sft_settings = [*config.bootstrap.sft_overrides, f"model.dir={model}", f"output_dir={work / 'sft-model'}", f"seed={seed}", f"cpu_threads={threads}",
-                    f"task.data_dir={work / 'countdown'}", f"logging.log_dir={work / 'logs'}", "run_name=sft",
+    sft_settings = [*config.bootstrap.sft_overrides, f"model.dir={model}", f"output_dir={work / 'sft-model'}",
+                    f"seed={seed}", f"cpu_threads={threads}", f"task.data_dir={work / 'countdown'}", f"logging.log_dir={work / 'logs'}", "run_name=sft",
                     "progress=false"]
     stages, samples = {}, {}
     stages["data"] = run_stage("data", ["countdown_task.py", "generate", "--out", str(work / "countdown"),
@@ -123,7 +123,9 @@ def run_seed(grpo_configs: list[str], seed: int, work: Path, threads: int, varia
                          f"checkpoint.dir={work / 'checkpoints'}", f"run_name=grpo-{variant}", "progress=false",
                          *overrides]
         final = work / "checkpoints" / f"grpo-{variant}" / f"step_{config.optim.num_steps:06d}"
-        own = {**stages, "grpo": run_stage(f"grpo-{variant}", ["train.py", *[f"--config={path}" for path in grpo_configs], *[
+        # The stages run in the repository: configs named from elsewhere go to them as absolute paths.
+        configs = [f"--config={Path(path).resolve()}" for path in grpo_configs]
+        own = {**stages, "grpo": run_stage(f"grpo-{variant}", ["train.py", *configs, *[
             f"--set={setting}" for setting in grpo_settings]], work)}
         scored = {key: value for key, value in samples.items()}
         for kind, temperature in (("greedy", 0.0), ("t1", 1.0)):
@@ -262,8 +264,8 @@ def main() -> None:
         results.sort(key=lambda row: (list(variants).index(row["variant"]), row["seed"]))
         print(markdown_table([row for row in results if row["seed"] == seed]), flush=True)
         if args.out:  # after every seed: a run stopped later keeps the seeds it finished
-            report = {"model": args.model, "config": args.config, "threads": args.threads, "cpu_count": os.cpu_count(), "bar": BAR,
-                      "variants": variants, "date": f"{started} to {time.strftime('%H:%M UTC', time.gmtime())}",
+            report = {"model": args.model, "config": args.config, "threads": args.threads,
+                      "cpu_count": os.cpu_count(), "bar": BAR, "variants": variants, "date": f"{started} to {time.strftime('%H:%M UTC', time.gmtime())}",
                       "seeds": results, **({"reused": {"file": args.reuse, "date": earlier["date"]}} if earlier else {}),
                       "bar_met_on_every_seed": all(meets_bar(result) for result in results)}
             Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
