@@ -295,15 +295,40 @@ def answer_reward(response: str, numbers: list[int], target: int) -> float:
     return ANSWER_REWARD if Counter(literals) == Counter(numbers) and value == target else 0.0
 
 
+# Literals of at most 12 digits: int() of a longer one is work a generated text could make unbounded.
+WRITTEN_STEP = re.compile(r"(?<!\d)(\d{1,12}) ([-+*/]) (\d{1,12}) = (\d{1,12})(?!\d)")
+STEP_VALUES = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": Fraction}
+
+
+def step_reward(response: str, numbers: list[int]) -> float:
+    """The share of the steps "a op b = c" written in the think block that replay exactly: a and b are numbers
+    the try still has (the question's, or results of its earlier steps; tries are separated by ";", as the
+    search warm-up writes them) and c is a op b. 0 when it writes no step. It checks the arithmetic, not the
+    answer, so a model cannot earn it by claiming the target (loss.step_reward_weight)."""
+    steps_right = steps_written = 0
+    for written_try in response.split("</think>")[0].split(";"):
+        available = Counter(numbers)
+        for left, symbol, right, result in WRITTEN_STEP.findall(written_try):
+            left, right, result = int(left), int(right), int(result)
+            steps_written += 1
+            operands = Counter([left, right])
+            if operands <= available and (symbol != "/" or right) and STEP_VALUES[symbol](left, right) == result:
+                steps_right += 1
+                available = available - operands + Counter([result])
+    return steps_right / steps_written if steps_written else 0.0
+
+
 def grade(response: str, numbers: list[int], target: int, end_token: str | None = None) -> dict:
-    """Total reward of a response (the text generated after RESPONSE_PREFILL)."""
+    """Total reward of a response (the text generated after RESPONSE_PREFILL): format and answer. The info also
+    holds step_reward, which only a run with loss.step_reward_weight > 0 adds to what the update sees."""
     if end_token and response.endswith(end_token):
         response = response[: -len(end_token)]
     format_score = format_reward(response)
     answer_score = answer_reward(response, numbers, target)
     return {
         "reward": format_score + answer_score,
-        "reward_info": {"format_reward": format_score, "answer_reward": answer_score},
+        "reward_info": {"format_reward": format_score, "answer_reward": answer_score,
+                        "step_reward": step_reward(response, numbers)},
     }
 
 

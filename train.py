@@ -135,7 +135,7 @@ def episode_metrics(episodes: list[Episode], num_answers_per_question: int) -> d
     rewards = torch.tensor([e.reward for e in episodes])
     lengths = torch.tensor([e.num_generated_tokens for e in episodes], dtype=torch.float)
     grouped = rewards.view(-1, num_answers_per_question)
-    return {
+    metrics = {
         "reward/mean": rewards.mean().item(),
         "reward/std": rewards.std(correction=0).item(),
         "reward/format": sum(e.reward_info["format_reward"] for e in episodes) / len(episodes),
@@ -149,6 +149,9 @@ def episode_metrics(episodes: list[Episode], num_answers_per_question: int) -> d
         "response_length/min": lengths.min().item(),
         "response_length/max": lengths.max().item(),
     }
+    if "step_reward" in episodes[0].reward_info:  # CountDown's: the share of think steps that replay exactly
+        metrics["reward/steps"] = sum(e.reward_info["step_reward"] for e in episodes) / len(episodes)
+    return metrics
 
 
 def format_episode(episode: Episode) -> str:
@@ -250,8 +253,8 @@ def question_batch(train_set, step: int, config: TrainConfig, round_index: int =
 
 
 def episodes_to_train(episodes: list[Episode], config: TrainConfig) -> list[Episode]:
-    """The step's episodes as the update sees them: the format reward weighted and DAPO's overlong penalty
-    shaped into the reward (the logged rewards stay the task's; dynamic sampling, as DAPO's, judges groups by
+    """The step's episodes as the update sees them: the format and step rewards weighted and DAPO's overlong
+    penalty shaped into the reward (the logged rewards stay the task's; dynamic sampling, as DAPO's, judges groups by
     them too), and unfinished ones left out with optim.skip_unfinished_episodes."""
     episodes = shape_rewards(episodes, config.rollout.max_gen_len, config.loss)
     if config.optim.skip_unfinished_episodes:
