@@ -397,9 +397,9 @@ class LossConfig:
     # warm-up has taught the format: a group whose answers differ only in format then teaches nothing, where
     # AdamW would otherwise take a full-sized step towards formatted guesses
     format_reward_weight: float = 1.0
-    # countdown: the weight of the share of think steps that replay exactly (countdown_task.step_reward), added to
-    # the rewards the update sees: a search warm-up's arithmetic is then worth keeping when no answer is right
-    step_reward_weight: float = 0.0
+    # countdown: the weight of the share of the think's tries that are exact computations over every number
+    # (countdown_task.try_reward), added to the rewards the update sees: made-up arithmetic then costs reward
+    try_reward_weight: float = 0.0
     kl_beta: float = 0.0  # weight of the k3 KL to the frozen initial policy; 0: no reference model
     sapo_tau_positive: float = 1.0  # SAPO's gate temperature for answers with advantage > 0 (larger: a narrower gate)
     sapo_tau_negative: float = 1.05  # and for the others
@@ -418,7 +418,7 @@ class LossConfig:
         within(self, "overlong_buffer_fraction", 0, 1, "[)")
         within(self, "overlong_penalty_factor", 0, 10, "(]")  # rewards are at most ~1: 10 x that is already absurd
         within(self, "format_reward_weight", 0, 1)  # above 1 the format would outweigh what it is for
-        within(self, "step_reward_weight", 0, 1)  # above 1 right steps would outweigh a right answer
+        within(self, "try_reward_weight", 0, 1)  # above 1 exact tries would outweigh a right answer
         within(self, "kl_beta", 0, 10)  # 0: no KL term, no reference model; 10 already pins the policy
         within(self, "sapo_tau_positive", 0, 100, "(]")
         within(self, "sapo_tau_negative", 0, 100, "(]")
@@ -548,9 +548,9 @@ class TrainConfig:
         if rollout.questions_per_round % world_size():
             raise ConfigError(f"rollout.dynamic_sampling_questions_per_round ({rollout.questions_per_round}) must "
                               f"split evenly over {world_size()} ranks")
-        check(not self.loss.step_reward_weight or self.task.name == "countdown", "loss.step_reward_weight",
-              f"only countdown's reward checks written steps, not {self.task.name}'s; set it to 0",
-              self.loss.step_reward_weight)
+        check(not self.loss.try_reward_weight or self.task.name == "countdown", "loss.try_reward_weight",
+              f"only countdown's reward checks written tries, not {self.task.name}'s; set it to 0",
+              self.loss.try_reward_weight)
         if self.distributed.fsdp and self.optim.memory_efficient_adamw:
             raise ConfigError("distributed.fsdp already shards AdamW's state over the GPUs; "
                               "set optim.memory_efficient_adamw: false")

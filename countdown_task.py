@@ -300,27 +300,30 @@ WRITTEN_STEP = re.compile(r"(?<!\d)(\d{1,12}) ([-+*/]) (\d{1,12}) = (\d{1,12})(?
 STEP_VALUES = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": Fraction}
 
 
-def step_reward(response: str, numbers: list[int]) -> float:
-    """The share of the steps "a op b = c" written in the think block that replay exactly: a and b are numbers
-    the try still has (the question's, or results of its earlier steps; tries are separated by ";", as the
-    search warm-up writes them) and c is a op b. 0 when it writes no step. It checks the arithmetic, not the
-    answer, so a model cannot earn it by claiming the target (loss.step_reward_weight)."""
-    steps_right = steps_written = 0
-    for written_try in response.split("</think>")[0].split(";"):
-        available = Counter(numbers)
-        for left, symbol, right, result in WRITTEN_STEP.findall(written_try):
-            left, right, result = int(left), int(right), int(result)
-            steps_written += 1
-            operands = Counter([left, right])
-            if operands <= available and (symbol != "/" or right) and STEP_VALUES[symbol](left, right) == result:
-                steps_right += 1
-                available = available - operands + Counter([result])
-    return steps_right / steps_written if steps_written else 0.0
+def try_reward(response: str, numbers: list[int]) -> float:
+    """The share of the tries written in the think block (separated by ";", as the search warm-up writes them;
+    a try is a part with at least one step "a op b = c") that are exact computations: each step takes two
+    numbers the try still has (the question's, or results of its earlier steps) and states their exact integer
+    result, and the try uses every number of the question. 0 when no try is written. It checks arithmetic, not
+    the answer: claiming the target (`97 + 27 = 99`) or one easy right step earns nothing (loss.try_reward_weight)."""
+    tries = [written for written in response.split("</think>")[0].split(";") if WRITTEN_STEP.search(written)]
+    return sum(is_exact_try(written, numbers) for written in tries) / len(tries) if tries else 0.0
+
+
+def is_exact_try(written_try: str, numbers: list[int]) -> bool:
+    available = Counter(numbers)
+    for left, symbol, right, result in WRITTEN_STEP.findall(written_try):
+        left, right, result = int(left), int(right), int(result)
+        operands = Counter([left, right])
+        if not operands <= available or (symbol == "/" and right == 0) or STEP_VALUES[symbol](left, right) != result:
+            return False
+        available = available - operands + Counter([result])
+    return sum(available.values()) == 1
 
 
 def grade(response: str, numbers: list[int], target: int, end_token: str | None = None) -> dict:
     """Total reward of a response (the text generated after RESPONSE_PREFILL): format and answer. The info also
-    holds step_reward, which only a run with loss.step_reward_weight > 0 adds to what the update sees."""
+    holds try_reward, which only a run with loss.try_reward_weight > 0 adds to what the update sees."""
     if end_token and response.endswith(end_token):
         response = response[: -len(end_token)]
     format_score = format_reward(response)
@@ -328,7 +331,7 @@ def grade(response: str, numbers: list[int], target: int, end_token: str | None 
     return {
         "reward": format_score + answer_score,
         "reward_info": {"format_reward": format_score, "answer_reward": answer_score,
-                        "step_reward": step_reward(response, numbers)},
+                        "try_reward": try_reward(response, numbers)},
     }
 
 

@@ -234,8 +234,8 @@ def summarize(samples: list[dict], num_samples: int) -> dict[str, float]:
         "mean_response_length": sum(s["num_tokens"] for s in samples) / len(samples),
         "num_questions": len(samples) // num_samples,
     }
-    if "step_reward" in samples[0]["reward_info"]:  # CountDown's: is the think's arithmetic real or made up?
-        metrics["mean_step_reward"] = sum(s["reward_info"]["step_reward"] for s in samples) / len(samples)
+    if "try_reward" in samples[0]["reward_info"]:  # CountDown's: is the think's arithmetic real or made up?
+        metrics["mean_try_reward"] = sum(s["reward_info"]["try_reward"] for s in samples) / len(samples)
     if num_samples > 1:
         per_question = [successes[i : i + num_samples] for i in range(0, len(successes), num_samples)]
         metrics[f"pass@{num_samples}"] = sum(any(group) for group in per_question) / len(per_question)

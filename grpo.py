@@ -518,17 +518,17 @@ def overlong_penalty(num_tokens: int, max_gen_len: int, config: LossConfig) -> f
 
 def shape_rewards(episodes: list[Episode], max_gen_len: int, config: LossConfig) -> list[Episode]:
     """The rewards the update sees: the task's, with its format reward weighted by config.format_reward_weight,
-    its step reward (CountDown's) by config.step_reward_weight, and DAPO's overlong penalty taken off (kept in
+    its share of exact tries (CountDown's try_reward) by config.try_reward_weight, and DAPO's overlong penalty taken off (kept in
     reward_info). The inputs are left as they are."""
     shaped = []
     for episode in episodes:
         format_discount = (1 - config.format_reward_weight) * episode.reward_info["format_reward"]
-        step_bonus = config.step_reward_weight * episode.reward_info.get("step_reward", 0.0)
+        try_bonus = config.try_reward_weight * episode.reward_info.get("try_reward", 0.0)
         penalty = overlong_penalty(episode.num_generated_tokens, max_gen_len, config)
         info = dict(episode.reward_info)
         if config.overlong_buffer_fraction:
             info["overlong_penalty"] = penalty
-        reward = episode.reward - format_discount + step_bonus - penalty
+        reward = episode.reward - format_discount + try_bonus - penalty
         shaped.append(dataclasses.replace(episode, reward=reward, reward_info=info))
     return shaped
 

@@ -149,8 +149,8 @@ def episode_metrics(episodes: list[Episode], num_answers_per_question: int) -> d
         "response_length/min": lengths.min().item(),
         "response_length/max": lengths.max().item(),
     }
-    if "step_reward" in episodes[0].reward_info:  # CountDown's: the share of think steps that replay exactly
-        metrics["reward/steps"] = sum(e.reward_info["step_reward"] for e in episodes) / len(episodes)
+    if "try_reward" in episodes[0].reward_info:  # CountDown's: the share of the think's tries that are exact
+        metrics["reward/tries"] = sum(e.reward_info["try_reward"] for e in episodes) / len(episodes)
     return metrics
 
 
@@ -253,7 +253,7 @@ def question_batch(train_set, step: int, config: TrainConfig, round_index: int =
 
 
 def episodes_to_train(episodes: list[Episode], config: TrainConfig) -> list[Episode]:
-    """The step's episodes as the update sees them: the format and step rewards weighted and DAPO's overlong
+    """The step's episodes as the update sees them: the format and try rewards weighted and DAPO's overlong
     penalty shaped into the reward (the logged rewards stay the task's; dynamic sampling, as DAPO's, judges groups by
     them too), and unfinished ones left out with optim.skip_unfinished_episodes."""
     episodes = shape_rewards(episodes, config.rollout.max_gen_len, config.loss)

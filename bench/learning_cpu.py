@@ -145,7 +145,7 @@ def held_out_scores(model_dir: Path, config: train.TrainConfig, seed: int) -> di
         scores[f"success_{name}"] = round(metrics["success_rate"], 4)
         scores[f"format_{name}"] = round(metrics["format_rate"], 4)
         scores[f"forms_{name}"] = {key: value for key, value in metrics.items() if "_numbers/" in key}
-        scores[f"steps_right_{name}"] = round(metrics["mean_step_reward"], 4)
+        scores[f"exact_tries_{name}"] = round(metrics["mean_try_reward"], 4)
         scores["questions"] = metrics["num_questions"]
     return scores
 
@@ -226,8 +226,8 @@ COLUMNS = [  # (header, how to read it from a seed's result, format)
     ("gain greedy", lambda r: 100 * r["gain_greedy"], "{:+.1f}"),
     ("format T=1", lambda r: 100 * r["after"]["format_t1"], "{:.1f}"),
     # a result written before the column existed: nan
-    ("SFT think steps right", lambda r: 100 * r["before"].get("steps_right_greedy", math.nan), "{:.0f}"),
-    ("GRPO think steps right", lambda r: 100 * r["after"].get("steps_right_greedy", math.nan), "{:.0f}"),
+    ("SFT exact tries", lambda r: 100 * r["before"].get("exact_tries_greedy", math.nan), "{:.0f}"),
+    ("GRPO exact tries", lambda r: 100 * r["after"].get("exact_tries_greedy", math.nan), "{:.0f}"),
     ("SFT steps", lambda r: r["stages"].get("sft_steps", 0), "{:.0f}"),
     ("data s", lambda r: r["stages"].get("dataset_seconds", 0.0), "{:.0f}"),
     ("SFT s", lambda r: r["stages"].get("sft_seconds", 0.0), "{:.0f}"),
@@ -272,8 +272,8 @@ def markdown_table(results: list[dict]) -> str:
     lines += ["", f"Success in % on the {questions} held-out questions, one answer each; the standard error of one "
               f"number is at most {standard_error:.2f} points (p = 0.5). SFT = the model GRPO starts from; GRPO = the "
               "final checkpoint. Times in seconds (cached stages: 0 or their first run's time); demo s = dataset + "
-              "base model + SFT + GRPO with its evaluations; load = 1-minute load average at the end of GRPO. think steps "
-              "right: the mean share of an answer's think steps that replay exactly (greedy; countdown_task.step_reward). "
+              "base model + SFT + GRPO with its evaluations; load = 1-minute load average at the end of GRPO. exact "
+              "tries: the mean share of an answer's tries that are exact computations (greedy; countdown_task.try_reward). "
               "Nn columns (greedy, questions with N numbers): success of the SFT model and of GRPO's final checkpoint; "
               "the share the best single fixed form solves and the 10 best forms together (chosen on training rows); "
               "GRPO's success on the questions none of those 10 solves; the share of its answers in its most used "

@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 
 import config as config_lib  # noqa: E402
 from config import TrainConfig  # noqa: E402
-from countdown_task import CountdownDataset, shortcut_baseline, step_reward  # noqa: E402
+from countdown_task import CountdownDataset, shortcut_baseline, try_reward  # noqa: E402
 
 RECIPE_CONFIG = REPO / "configs" / "smollm2_cpu.yaml"
 # The bar of issue 42, per seed, greedy on the 3-number questions (fractions, seconds, MiB): success above the best
@@ -67,9 +67,10 @@ def success(samples: list[dict]) -> float:
     return sum(sample["reward_info"]["answer_reward"] > 0 for sample in samples) / len(samples)
 
 
-def steps_right(samples: list[dict]) -> float:
-    """The mean share of think steps that replay exactly (countdown_task.step_reward): real or made-up arithmetic."""
-    return sum(step_reward(sample["response"], sample["nums"]) for sample in samples) / len(samples)
+def exact_tries(samples: list[dict]) -> float:
+    """The mean share of an answer's tries that are exact computations (countdown_task.try_reward): real or
+    made-up arithmetic."""
+    return sum(try_reward(sample["response"], sample["nums"]) for sample in samples) / len(samples)
 
 
 def evaluate_stage(name: str, model_dir: Path, temperature: float, config: TrainConfig, work: Path,
@@ -142,7 +143,7 @@ def run_seed(grpo_configs: list[str], seed: int, work: Path, threads: int, varia
             "seed": seed, "variant": variant, "overrides": overrides,
             **{key: round(value, 4) for key, value in scores.items()},
             **{f"forms_{key}": baseline.report(answers) for key, answers in scored.items()},
-            **{f"steps_{key}": round(steps_right(answers), 4) for key, answers in scored.items() if "greedy" in key},
+            **{f"exact_tries_{key}": round(exact_tries(answers), 4) for key, answers in scored.items() if "greedy" in key},
             "gain_greedy": round(scores["final_greedy"] - scores["sft_greedy"], 4),
             "gain_t1": round(scores["final_t1"] - scores["sft_t1"], 4), "held_out_questions": config.task.test_size,
             "seconds": round(sum(own[name]["seconds"] for name in RECIPE_STAGES), 1),
@@ -166,7 +167,8 @@ def meets_bar(result: dict) -> bool:
 COLUMNS = [("SFT greedy", "sft_greedy", 100, "{:.1f}"), ("final greedy", "final_greedy", 100, "{:.1f}"),
            ("gain greedy", "gain_greedy", 100, "{:+.1f}"), ("SFT T=1", "sft_t1", 100, "{:.1f}"),
            ("final T=1", "final_t1", 100, "{:.1f}"), ("gain T=1", "gain_t1", 100, "{:+.1f}"),
-           ("SFT steps right", "steps_sft_greedy", 100, "{:.0f}"), ("final steps right", "steps_final_greedy", 100, "{:.0f}"),
+           ("SFT exact tries", "exact_tries_sft_greedy", 100, "{:.0f}"),
+           ("final exact tries", "exact_tries_final_greedy", 100, "{:.0f}"),
            ("minutes", "seconds", 1 / 60, "{:.1f}"), ("peak RSS MiB", "peak_rss_mib", 1, "{:.0f}")]
 FORM_COLUMNS = [  # per number count, greedy: (header, samples, countdown_forms report key, format)
     ("SFT", "forms_sft_greedy", "success", "{:.1f}"), ("final", "forms_final_greedy", "success", "{:.1f}"),
@@ -209,8 +211,8 @@ def markdown_table(results: list[dict]) -> str:
                       for r in results)
     lines += ["", f"Success in % on {questions} held-out questions (one answer each; standard error <= "
               f"{100 * (0.25 / questions) ** 0.5:.1f} points). SFT = GRPO's start. minutes: the whole recipe (data, "
-              "SFT, GRPO; the evaluations apart); peak RSS: its largest stage. steps right: the mean share of an answer's "
-              "think steps that replay exactly (greedy; 0 for an answer without steps). Nn columns (greedy, questions with N "
+              "SFT, GRPO; the evaluations apart); peak RSS: its largest stage. exact tries: the mean share of an answer's "
+              "tries that are exact computations over every number (greedy; 0 for an answer without steps). Nn columns (greedy, questions with N "
               "numbers): the SFT and final success; the share the best single fixed form and the 10 best forms "
               "together solve (chosen on training rows); the final success on the questions none of those 10 solves; "
               f"the share of the final answers in their most used form ({forms}). See docs/tasks_and_rewards.md."]

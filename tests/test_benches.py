@@ -249,17 +249,17 @@ def test_real_model_table_shows_the_shortcut_baseline_per_number_count():
     assert row["3n top-10 forms"] == "76.0" and row["3n outside top-10"] == "12.0" and row["3n own form share"] == "40"
     assert row["4n best form"] == "0.0" and row["4n final"] == "5.0"  # no forms of a count: 0, not a crash
     assert "seed 0: 3n `a + b - c`, 4n `none`" in lines[-1]
-    assert row["SFT steps right"] == "nan"  # a result written before the column existed
-    result["steps_sft_greedy"], result["steps_final_greedy"] = 0.48, 0.015
+    assert row["SFT exact tries"] == "nan"  # a result written before the column existed
+    result["exact_tries_sft_greedy"], result["exact_tries_final_greedy"] = 0.48, 0.015
     row = dict(zip(header, markdown_table([result]).splitlines()[2].split(" | ")))
-    assert row["SFT steps right"] == "48" and row["final steps right"] == "2"
+    assert row["SFT exact tries"] == "48" and row["final exact tries"] == "2"
 
 
-def test_real_model_steps_right_replays_the_answers():
-    from bench.real_model_cpu import steps_right
+def test_real_model_exact_tries_replays_the_answers():
+    from bench.real_model_cpu import exact_tries
     samples = [{"nums": [97, 27, 29], "response": " 97 + 27 = 124, 124 - 29 = 95 (not 99); 97 + 27 = 99 </think>"},
                {"nums": [97, 27, 29], "response": " no steps </think>"}]
-    assert steps_right(samples) == pytest.approx((2 / 3 + 0) / 2)
+    assert exact_tries(samples) == pytest.approx((1 / 2 + 0) / 2)
 
 
 def test_real_model_reuse_runs_only_new_variants_of_the_earlier_run(tmp_path, monkeypatch, capsys):

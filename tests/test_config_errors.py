@@ -24,8 +24,8 @@ BAD_TRAIN_VALUES = [
     ("model.lora.layers=[embed_tokens]", "model.lora.layers: must be distinct names among q_proj"),
     ("optim.max_grad_norm=-1", "optim.max_grad_norm: must be in (0, 10000], got -1.0"),
     ("optim.max_grad_norm=0", "optim.max_grad_norm: must be in (0, 10000], got 0.0"),
-    ("loss.step_reward_weight=1.5", "loss.step_reward_weight: must be in [0, 1], got 1.5"),
-    ("loss.step_reward_weight=-0.1", "loss.step_reward_weight: must be in [0, 1], got -0.1"),
+    ("loss.try_reward_weight=1.5", "loss.try_reward_weight: must be in [0, 1], got 1.5"),
+    ("loss.try_reward_weight=-0.1", "loss.try_reward_weight: must be in [0, 1], got -0.1"),
     ("loss.advantage_eps=-1", "loss.advantage_eps: must be in (0, 1], got -1.0"),
     ("rollout.temperature=0", "rollout.temperature: must be in (0, 10], got 0.0"),
     ("checkpoint.interval=-1", "checkpoint.interval: must be >= 0, got -1"),
@@ -109,10 +109,10 @@ def test_bad_training_value_stops_before_any_work(override, message, tmp_path, c
     assert list(tmp_path.iterdir()) == []
 
 
-def test_step_reward_needs_countdown(tmp_path, capsys):
-    overrides = ["--set", "task.name=gsm8k", "--set", "loss.step_reward_weight=0.2"]
+def test_try_reward_needs_countdown(tmp_path, capsys):
+    overrides = ["--set", "task.name=gsm8k", "--set", "loss.try_reward_weight=0.2"]
     err = run_main(train.main, ["--config", "configs/cpu_demo.yaml", *isolated_overrides(tmp_path), *overrides], capsys)
-    assert err.startswith("config error: loss.step_reward_weight: only countdown's reward checks written steps, "
+    assert err.startswith("config error: loss.try_reward_weight: only countdown's reward checks written tries, "
                           "not gsm8k's; set it to 0, got 0.2"), err
     assert list(tmp_path.iterdir()) == []
 

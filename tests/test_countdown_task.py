@@ -199,7 +199,7 @@ def test_grade(response, end_token, expected_format, expected_answer):
     result = grade(response, [44, 19, 35], 98, end_token)
     assert result == {
         "reward": expected_format + expected_answer,
-        "reward_info": {"format_reward": expected_format, "answer_reward": expected_answer, "step_reward": 0.0},
+        "reward_info": {"format_reward": expected_format, "answer_reward": expected_answer, "try_reward": 0.0},
     }
     item = {"nums": [44, 19, 35], "target": 98, "prompt": "unused", "prompt_token_ids": [1]}
     assert reward(response, item, end_token) == result
@@ -624,7 +624,10 @@ def test_full_search_responses_write_the_search_in_its_order(tmp_path):
             for steps in written:
                 big, _, small, _, value = steps[1].split()
                 assert abs(int(value) - target) == min(abs(v - target) for v in last_step_values(int(big), int(small)))
-        assert grade(response, row["nums"], target)["reward_info"]["step_reward"] == 1.0  # every step replays
+        assert grade(response, row["nums"], target)["reward_info"]["try_reward"] == 1.0  # every try is exact
+        first_result = written[0][0].split(" = ")[1]  # one wrong result spoils its try, and only that one
+        wrong = response.replace(f" = {first_result}", f" = {int(first_result) + 1}", 1)
+        assert countdown_task.try_reward(wrong, row["nums"]) == pytest.approx(1 - 1 / len(written))
         tries_needed[len(row["nums"]), min(len(uncapped), 7)] += 1
     assert tries_needed[3, 1] and tries_needed[3, 7] and tries_needed[4, 7]  # at once, and beyond the cap
 
@@ -653,6 +656,7 @@ def test_search_responses_are_searches_that_end_solved(tmp_path):
     for row in rows:
         response = countdown_task.sft_search_response(row)
         assert grade(response, row["nums"], row["target"])["reward"] == pytest.approx(1.1)
+        assert countdown_task.try_reward(response, row["nums"]) == 1.0
         tries = response.split(" </think>")[0].strip().split("; ")
         assert len(tries) <= countdown_task.SEARCH_DEAD_ENDS + 1
         for index, attempt in enumerate(tries):
@@ -665,34 +669,38 @@ def test_search_responses_are_searches_that_end_solved(tmp_path):
     assert dead_ends[0] and dead_ends[countdown_task.SEARCH_DEAD_ENDS]  # some solved at once, some after dead ends
 
 
-STEP_CASES = [
-    # (response, numbers, right steps / written steps)
-    (" 44 + 35 = 79, 79 - 19 = 60 (not 98); 44 + 19 = 63, 63 + 35 = 98 </think>", [44, 19, 35], 4 / 4),
-    (" 95 - 56 = 39, 39 + 22 = 61 </think>", [95, 56, 22], 2 / 2),
-    (" 95 - 56 = 34, 34 + 22 = 56 </think>", [95, 56, 22], 0 / 2),  # a wrong result is not available to the next step
+TRY_CASES = [
+    # (response, numbers, exact tries / tries written)
+    (" 44 + 35 = 79, 79 - 19 = 60 (not 98); 44 + 19 = 63, 63 + 35 = 98 </think>", [44, 19, 35], 2 / 2),
+    (" 95 - 56 = 39, 39 + 22 = 61 </think>", [95, 56, 22], 1 / 1),
+    (" 95 - 56 = 34, 34 + 22 = 56 </think>", [95, 56, 22], 0 / 1),  # a wrong step spoils its try
     (" 97 + 27 = 99 </think>\n<answer> 97 - 27 + 29 </answer>", [97, 27, 29], 0 / 1),  # a claimed target
-    (" 97 + 27 = 124, 124 + 29 = 153 (not 99); 97 + 27 = 99 </think>", [97, 27, 29], 2 / 3),  # each try starts afresh
-    (" 5 + 5 = 10 </think>", [5, 7, 3], 0 / 1),  # one 5 only
-    (" 5 + 5 = 10, 10 * 3 = 30 </think>", [5, 5, 3], 2 / 2),
-    (" 7 + 3 = 10, 7 * 2 = 14 </think>", [7, 3, 2], 1 / 2),  # 7 was used by the first step
-    (" 84 / 4 = 21, 7 / 2 = 3, 7 / 0 = 0 </think>", [84, 4, 7, 2, 0], 1 / 3),  # exact division only; no crash on 0
-    (" 3 - 7 = 4, 7 - 3 = 4 </think>", [3, 7], 1 / 2),
-    (" 12 + 3 = 15 </think>\n<answer> 12 + 3 = 15 </answer>", [12, 3], 1 / 1),  # the answer's text is not a step
-    (" 12 + 3 is 15 </think>", [12, 3], 0.0),  # no step written
+    (" 43 + 1 = 44, 44 + 18 = 53 </think>", [43, 1, 18, 4], 0 / 1),  # one easy right step
+    (" 43 + 1 = 44, 44 + 18 = 62 </think>", [43, 1, 18, 4], 0 / 1),  # right, but 4 is never used
+    (" 97 + 27 = 124, 124 + 29 = 153 (not 99); 97 + 27 = 99 </think>", [97, 27, 29], 1 / 2),  # each try afresh
+    (" 5 + 5 = 10, 10 * 3 = 30 </think>", [5, 7, 3], 0 / 1),  # one 5 only
+    (" 5 + 5 = 10, 10 * 3 = 30 </think>", [5, 5, 3], 1 / 1),
+    (" 7 + 3 = 10, 7 * 10 = 70 </think>", [7, 3, 2], 0 / 1),  # 7 was used by the first step
+    (" 84 / 4 = 21, 21 - 2 = 19; 7 / 2 = 3, 84 - 3 = 81; 84 / 00 = 0 </think>", [84, 4, 2], 1 / 3),  # exact only
+    (" 3 - 7 = 4 </think>", [3, 7], 0 / 1),
+    (" 7 - 3 = 4 </think>", [3, 7], 1 / 1),
+    (" 12 + 3 = 15 </think>\n<answer> 12 + 3 = 15 </answer>", [12, 3], 1 / 1),  # the answer's text is not a try
+    (" let me think; 12 + 3 = 15 </think>", [12, 3], 1 / 1),  # a part without a step is no try
+    (" 12 + 3 is 15 </think>", [12, 3], 0.0),  # no try written
     (" " + "9" * 5000 + " + 1 = 2 </think>", [1], 0.0),  # a literal too long to read is no step
     (" 112 + 3 = 115 </think>", [12, 3], 0 / 1),  # not 12 + 3 inside a longer literal
 ]
 
 
-@pytest.mark.parametrize("response, numbers, expected", STEP_CASES)
-def test_step_reward_by_hand(response, numbers, expected):
-    assert countdown_task.step_reward(response, numbers) == pytest.approx(expected)
+@pytest.mark.parametrize("response, numbers, expected", TRY_CASES)
+def test_try_reward_by_hand(response, numbers, expected):
+    assert countdown_task.try_reward(response, numbers) == pytest.approx(expected)
 
 
-def test_step_reward_is_kept_out_of_the_task_reward():
+def test_try_reward_is_kept_out_of_the_task_reward():
     response = " 44 + 35 = 79, 79 + 19 = 98 </think>\n<answer> 44 + 35 - 19 </answer>"
     assert grade(response, [44, 19, 35], 98) == {
-        "reward": 0.1, "reward_info": {"format_reward": 0.1, "answer_reward": 0.0, "step_reward": 1.0}}
+        "reward": 0.1, "reward_info": {"format_reward": 0.1, "answer_reward": 0.0, "try_reward": 1.0}}
 
 
 def test_dataset_with_no_solvable_question_is_refused_by_name(tmp_path, tokenizer):

@@ -88,11 +88,11 @@ def test_learning_bench_runs_every_seed_and_reuses_its_cache(tmp_path):
         assert not before["stages"]["cached"] and after["stages"]["cached"]
         assert after["sft_model"] == before["sft_model"] and after["before"] == before["before"]
         assert before["held_out_questions"] == 48
-        assert 0 <= before["after"]["steps_right_greedy"] <= 1  # evaluate.py's mean_step_reward, greedy
+        assert 0 <= before["after"]["exact_tries_greedy"] <= 1  # evaluate.py's mean_try_reward, greedy
         assert before["gain_t1"] == pytest.approx(before["after"]["success_t1"] - before["before"]["success_t1"], abs=1e-4)
     assert second["overlay"] == str(variant) and (first["jobs"], second["jobs"]) == (1, 2)
     table = (tmp_path / "a" / "learning_cpu.md").read_text()
-    assert "GRPO think steps right" in table and "| mean |" in table and "| min |" in table and "| max |" in table and "standard error" in table
+    assert "GRPO exact tries" in table and "| mean |" in table and "| min |" in table and "| max |" in table and "standard error" in table
     assert (tmp_path / "a" / "curves.png").stat().st_size > 0
 
 

@@ -38,8 +38,8 @@ def test_runs_with_only_model_and_data(tmp_path, tiny_model_dir, capsys):
     assert [sample["num_tokens"] for sample in samples] == [1024, 1024]
     metrics = json.loads(capsys.readouterr().out.split("\nwrote")[0])
     assert metrics["num_questions"] == 2
-    replayed = [countdown_task.step_reward(sample["response"], sample["nums"]) for sample in samples]
-    assert metrics["mean_step_reward"] == pytest.approx(sum(replayed) / 2)
+    replayed = [countdown_task.try_reward(sample["response"], sample["nums"]) for sample in samples]
+    assert metrics["mean_try_reward"] == pytest.approx(sum(replayed) / 2)
     # Success per number count asked; forms for the counts the training rows (the 2 before the test split) hold.
     counts = {len(sample["nums"]) for sample in samples}
     assert {f"{n}_numbers/success" for n in counts} <= metrics.keys()

@@ -42,7 +42,7 @@ PLAIN_GRPO = {
     "loss.advantage_eps": 1e-4, "loss.aggregation": "token", "loss.aggregation_constant": None,
     "loss.epochs_per_rollout": 1, "loss.clip": "none", "loss.clip_range": 0.2, "loss.clip_range_high": None,
     "loss.importance_sampling": "token", "loss.std_scope": "group", "loss.overlong_buffer_fraction": 0.0,
-    "loss.overlong_penalty_factor": 1.0, "loss.format_reward_weight": 1.0, "loss.step_reward_weight": 0.0,
+    "loss.overlong_penalty_factor": 1.0, "loss.format_reward_weight": 1.0, "loss.try_reward_weight": 0.0,
     "loss.kl_beta": 0.0, "loss.sapo_tau_positive": 1.0,
     "loss.sapo_tau_negative": 1.05, "loss.whiten_advantages": False, "loss.top_entropy_fraction": None,
     "loss.sampler_is_cap": None,
@@ -545,12 +545,12 @@ def test_format_reward_weight_scales_only_the_format_part(weight, rewards):
         assert advantages == pytest.approx([2 / 3, -1 / 3, -1 / 3, 0.0, 0.0])
 
 
-def test_step_reward_weight_adds_the_weighted_step_share():
-    # (format, answer, step share): a right answer with made-up steps, a wrong one with right steps, no steps.
+def test_try_reward_weight_adds_the_weighted_share_of_exact_tries():
+    # (format, answer, exact tries): a right answer after 1 exact try of 4, a wrong one after exact tries, none.
     parts = [(0.1, 1.0, 0.25), (0.1, 0.0, 1.0), (0.1, 0.0, 0.0)]
     episodes = [dataclasses.replace(make_episode(0, fmt + answer), reward_info={
-        "format_reward": fmt, "answer_reward": answer, "step_reward": steps}) for fmt, answer, steps in parts]
-    shaped = shape_rewards(episodes, 64, LossConfig(step_reward_weight=0.2))
+        "format_reward": fmt, "answer_reward": answer, "try_reward": tries}) for fmt, answer, tries in parts]
+    shaped = shape_rewards(episodes, 64, LossConfig(try_reward_weight=0.2))
     assert [e.reward for e in shaped] == pytest.approx([1.15, 0.3, 0.1])
     assert [e.reward_info for e in shaped] == [e.reward_info for e in episodes]
     assert [e.reward for e in shape_rewards(episodes, 64, LossConfig())] == pytest.approx([1.1, 0.1, 0.1])
@@ -568,8 +568,8 @@ def test_step_reward_weight_adds_the_weighted_step_share():
     ({"overlong_penalty_factor": 0.0}, "loss.overlong_penalty_factor"),
     ({"format_reward_weight": -0.1}, "loss.format_reward_weight"),
     ({"format_reward_weight": 1.5}, "loss.format_reward_weight"),
-    ({"step_reward_weight": -0.1}, "loss.step_reward_weight"),
-    ({"step_reward_weight": 1.5}, "loss.step_reward_weight"),
+    ({"try_reward_weight": -0.1}, "loss.try_reward_weight"),
+    ({"try_reward_weight": 1.5}, "loss.try_reward_weight"),
     ({"kl_beta": -0.01}, "loss.kl_beta"),
     ({"epochs_per_rollout": 0}, "loss.epochs_per_rollout"),
     ({"clip": "sapo", "clip_range_high": 0.28}, "loss.clip: ppo or cispo"),
