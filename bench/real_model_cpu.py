@@ -143,7 +143,7 @@ def run_seed(grpo_configs: list[str], seed: int, work: Path, threads: int, varia
             "seed": seed, "variant": variant, "overrides": overrides,
             **{key: round(value, 4) for key, value in scores.items()},
             **{f"forms_{key}": baseline.report(answers) for key, answers in scored.items()},
-            **{f"exact_tries_{key}": round(exact_tries(answers), 4) for key, answers in scored.items() if "greedy" in key},
+            **{f"exact_tries_{key}": round(exact_tries(scored[key]), 4) for key in ("sft_greedy", "final_greedy")},
             "gain_greedy": round(scores["final_greedy"] - scores["sft_greedy"], 4),
             "gain_t1": round(scores["final_t1"] - scores["sft_t1"], 4), "held_out_questions": config.task.test_size,
             "seconds": round(sum(own[name]["seconds"] for name in RECIPE_STAGES), 1),
@@ -211,9 +211,9 @@ def markdown_table(results: list[dict]) -> str:
                       for r in results)
     lines += ["", f"Success in % on {questions} held-out questions (one answer each; standard error <= "
               f"{100 * (0.25 / questions) ** 0.5:.1f} points). SFT = GRPO's start. minutes: the whole recipe (data, "
-              "SFT, GRPO; the evaluations apart); peak RSS: its largest stage. exact tries: the mean share of an answer's "
-              "tries that are exact computations over every number (greedy; 0 for an answer without steps). Nn columns (greedy, questions with N "
-              "numbers): the SFT and final success; the share the best single fixed form and the 10 best forms "
+              "SFT, GRPO; the evaluations apart); peak RSS: its largest stage. exact tries: the mean share of an "
+              "answer's tries that are exact computations over every number (greedy; 0 for an answer without steps). "
+              "Nn columns (greedy, questions with N numbers): the SFT and final success; the share the best single fixed form and the 10 best forms "
               "together solve (chosen on training rows); the final success on the questions none of those 10 solves; "
               f"the share of the final answers in their most used form ({forms}). See docs/tasks_and_rewards.md."]
     return "\n".join(lines) + "\n"
