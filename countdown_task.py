@@ -297,7 +297,6 @@ def answer_reward(response: str, numbers: list[int], target: int) -> float:
 
 # Literals of at most 12 digits: int() of a longer one is work a generated text could make unbounded.
 WRITTEN_STEP = re.compile(r"(?<!\d)(\d{1,12}) ([-+*/]) (\d{1,12}) = (\d{1,12})(?!\d)")
-STEP_VALUES = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": Fraction}
 
 
 def try_reward(response: str, numbers: list[int]) -> float:
@@ -315,7 +314,9 @@ def is_exact_try(written_try: str, numbers: list[int]) -> bool:
     for left, symbol, right, result in WRITTEN_STEP.findall(written_try):
         left, right, result = int(left), int(right), int(result)
         operands = Counter([left, right])
-        if not operands <= available or (symbol == "/" and right == 0) or STEP_VALUES[symbol](left, right) != result:
+        if not operands <= available or (symbol == "/" and right == 0):
+            return False
+        if ARITHMETIC[symbol](Fraction(left), right) != result:  # the parser's operations, exact: no float quotient
             return False
         available = available - operands + Counter([result])
     return sum(available.values()) == 1
