@@ -191,6 +191,30 @@ def test_config_files_merge_in_order_later_files_winning(tmp_path):
     assert train.parse_args(["--config", "a.yaml", "--config", "b.yaml"]).config == ["a.yaml", "b.yaml"]
 
 
+# Every config the repository ships, with the configs its header merges it on top of (in order).
+SHIPPED_GRPO = {
+    "config.yaml": [], "config_24GB.yaml": [], "configs/cpu_demo.yaml": [], "configs/gsm8k.yaml": [],
+    "configs/smollm2_cpu.yaml": [], "configs/lora.yaml": ["config_24GB.yaml"],
+    "configs/sum_task.yaml": ["configs/cpu_demo.yaml"],
+    "configs/smollm2_cpu_search.yaml": ["configs/smollm2_cpu.yaml"],
+    "configs/smollm2_cpu_search_kl.yaml": ["configs/smollm2_cpu.yaml", "configs/smollm2_cpu_search.yaml"],
+}
+SHIPPED_SFT = ["configs/countdown_sft.yaml", "configs/cpu_demo_sft.yaml", "configs/gsm8k_sft.yaml",
+               "configs/smollm2_cpu_sft.yaml"]
+
+
+def test_every_shipped_config_is_valid(monkeypatch):
+    """A config a user is told to run must not stop on a config error: each one (over its bases) validates."""
+    top_level = {path.relative_to(REPO_ROOT).as_posix() for path in
+                 [*REPO_ROOT.glob("config*.yaml"), *(REPO_ROOT / "configs").glob("*.yaml")]}
+    assert top_level == set(SHIPPED_GRPO) | set(SHIPPED_SFT)  # a new config joins the table above
+    monkeypatch.chdir(REPO_ROOT)  # configs/sum_task.yaml names its task by import path, from the repository root
+    for name, bases in SHIPPED_GRPO.items():
+        config_lib.load(train.TrainConfig, [REPO_ROOT / path for path in [*bases, name]])
+    for name in SHIPPED_SFT:
+        config_lib.load(train_sft.SFTConfig, REPO_ROOT / name)
+
+
 def test_paths_expand_home_and_environment_variables(tmp_path, monkeypatch):
     monkeypatch.setenv("GRPO_TEST_ROOT", str(tmp_path))
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
