@@ -133,7 +133,7 @@ import tasks
 from data_types import QuestionBatch
 from grpo import rollout
 from run_logging import log_to_console, progress_bar
-from runtime import load_model, resolve_device, set_cpu_threads
+from runtime import load_model, resolve_device, set_up_cpu
 from training_run import exit_on_interrupt
 from tokenizer import Tokenizer
 
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(config: EvaluateConfig, split: str, out_path: Path) -> None:
     device = distributed.rank_device(resolve_device(config.device))
-    set_cpu_threads(config.cpu_threads)
+    set_up_cpu(config.cpu_threads)
     tokenizer = Tokenizer(config.model.dir)
     dataset = tasks.load_dataset(config.task, tokenizer, split)
     # Forms are chosen on training rows, never on the scored ones (evaluating the train split: no baseline).

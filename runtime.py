@@ -5,6 +5,7 @@ The life of a training run (claim, resume, steps, checkpoints, stop) is training
 import os
 import random
 import re
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -75,16 +76,26 @@ def nvidia_driver_version(version_file: Path = Path("/proc/driver/nvidia/version
 def set_up_process(device: str, cpu_threads: int | None, seed: int) -> torch.device:
     """This rank's device; CPU threads set and every global random generator seeded."""
     rank_device = distributed.rank_device(resolve_device(device))
-    set_cpu_threads(cpu_threads)
+    set_up_cpu(cpu_threads)
     seed_everything(seed)
     return rank_device
 
 
-def set_cpu_threads(cpu_threads: int | None) -> None:
-    """Tiny models gain nothing from several threads, and oversubscribed cores slow torch down by 10x
-    or more when another program is busy, so the CPU demo runs single-threaded."""
+def set_up_cpu(cpu_threads: int | None) -> None:
+    """CPU threads, and large CPU tensors on 2 MiB pages.
+
+    Tiny models gain nothing from several threads, and oversubscribed cores slow torch down by 10x or more when
+    another program is busy, so the CPU demo runs single-threaded.
+    glibc's heap keeps freed activations and cannot reuse them for the next micro-batch's other lengths: one
+    step of the SmolLM2 warm-up's shape peaked at 5.3 GB where a fixed mmap threshold showed ~2.8 GB is enough
+    (docs/performance.md). With torch's THP_MEM_ALLOC_ENABLE, tensors of 2 MiB or more are page-aligned and
+    advised onto huge pages, and the same step peaks at ~3.1 GB at the same speed. torch reads the variable at
+    its first large allocation, so this runs before any weight loads; a user's own setting wins
+    (THP_MEM_ALLOC_ENABLE=0 turns it off)."""
     if cpu_threads is not None:
         torch.set_num_threads(cpu_threads)
+    if sys.platform == "linux":
+        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
 def seed_everything(seed: int) -> None:

@@ -45,7 +45,7 @@ import train  # noqa: E402
 from evaluate import EvalConfig, evaluate  # noqa: E402
 from bench.plot_curves import plot_success_curves, success_curve  # noqa: E402
 from run_logging import log_to_console  # noqa: E402
-from runtime import load_model, resolve_device, set_cpu_threads  # noqa: E402
+from runtime import load_model, resolve_device, set_up_cpu  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 from train_sft import SFTConfig, train_sft  # noqa: E402
 
@@ -165,7 +165,7 @@ def run_seed(args: argparse.Namespace, seed: int, cache_dir: Path, out: Path) ->
                        f"checkpoint.dir={run_dir / 'checkpoints'}", "progress=false"):
         config_lib.apply_override(values, assignment)
     config = config_lib.build(train.TrainConfig, values)
-    set_cpu_threads(config.cpu_threads)
+    set_up_cpu(config.cpu_threads)
     # The SFT model's scores, kept with it: they depend only on it, the seed and these settings.
     before_file = stage_dir / (f"held_out_{config.task.test_size}q_gen{max_gen_len(config)}"
                                f"_batch{config.eval.batch_size}_forms.json")

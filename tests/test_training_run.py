@@ -3,6 +3,7 @@ the same checkpoints when stopped, and the same way back after a crash before th
 
 import ast
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -164,3 +165,19 @@ def test_each_check_runs_once_per_start_of_train_sft_py(tmp_path, tiny_model_dir
     assert counts_of_a_start("train_sft.py", "--config", str(config_path)) == once
     resumed = counts_of_a_start("train_sft.py", "--resume", str(tmp_path / "checkpoints" / "sft" / "step_000001"))
     assert resumed == {**once, "check_trainer": 1, "check_own_state": 1}
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="THP_MEM_ALLOC_ENABLE is torch's allocator setting on Linux")
+@pytest.mark.parametrize("user_setting, page_aligned", [(None, True), ("0", False)])
+def test_a_process_puts_large_cpu_tensors_on_huge_pages_unless_told_not_to(user_setting, page_aligned):
+    """torch reads THP_MEM_ALLOC_ENABLE once, at its first large allocation: a fresh process that sets up as the
+    trainers do, then allocates, shows whether the setting came in time (torch page-aligns such tensors)."""
+    environment = {key: value for key, value in os.environ.items() if key != "THP_MEM_ALLOC_ENABLE"}
+    if user_setting is not None:
+        environment["THP_MEM_ALLOC_ENABLE"] = user_setting
+    script = ("import runtime, torch; runtime.set_up_process('cpu', 1, 0); "
+              "tensors = [torch.empty(3 << 20, dtype=torch.uint8) for _ in range(8)]; "
+              "print(sum(tensor.data_ptr() % 4096 == 0 for tensor in tensors))")
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=environment, capture_output=True,
+                            text=True, check=True)
+    assert (int(result.stdout) == 8) == page_aligned
