@@ -86,12 +86,11 @@ def set_up_cpu(cpu_threads: int | None) -> None:
 
     Tiny models gain nothing from several threads, and oversubscribed cores slow torch down by 10x or more when
     another program is busy, so the CPU demo runs single-threaded.
-    glibc's heap keeps freed activations and cannot reuse them for the next micro-batch's other lengths: one
-    step of the SmolLM2 warm-up's shape peaked at 5.3 GB where a fixed mmap threshold showed ~2.8 GB is enough
-    (docs/performance.md). With torch's THP_MEM_ALLOC_ENABLE, tensors of 2 MiB or more are page-aligned and
-    advised onto huge pages, and the same step peaks at ~3.1 GB at the same speed. torch reads the variable at
-    its first large allocation, so this runs before any weight loads; a user's own setting wins
-    (THP_MEM_ALLOC_ENABLE=0 turns it off)."""
+    glibc's heap keeps freed activations and cannot reuse them for the next micro-batch's other lengths. With
+    torch's THP_MEM_ALLOC_ENABLE, tensors of 2 MiB or more are page-aligned and advised onto huge pages, and the
+    SmolLM2 search-KL recipe's GRPO step peaks ~0.5 GB lower, step times overlapping (docs/performance.md). torch
+    reads the variable at its first large allocation, so this runs before any weight loads; a user's own
+    setting wins (THP_MEM_ALLOC_ENABLE=0 turns it off)."""
     if cpu_threads is not None:
         torch.set_num_threads(cpu_threads)
     if sys.platform == "linux":
