@@ -73,6 +73,11 @@ def exact_tries(samples: list[dict]) -> float:
     return sum(try_reward(sample["response"], sample["nums"]) for sample in samples) / len(samples)
 
 
+def unfinished(samples: list[dict]) -> float:
+    """The share of answers cut at the length limit: on the search warm-up, mostly one try written again."""
+    return sum(not sample["finished"] for sample in samples) / len(samples)
+
+
 def evaluate_stage(name: str, model_dir: Path, temperature: float, config: TrainConfig, work: Path,
                    threads: int) -> tuple[dict, list[dict]]:
     out = work / f"{name}.jsonl"
@@ -144,6 +149,7 @@ def run_seed(grpo_configs: list[str], seed: int, work: Path, threads: int, varia
             **{key: round(value, 4) for key, value in scores.items()},
             **{f"forms_{key}": baseline.report(answers) for key, answers in scored.items()},
             **{f"exact_tries_{key}": round(exact_tries(scored[key]), 4) for key in ("sft_greedy", "final_greedy")},
+            **{f"unfinished_{key}": round(unfinished(scored[key]), 4) for key in ("sft_greedy", "final_greedy")},
             "gain_greedy": round(scores["final_greedy"] - scores["sft_greedy"], 4),
             "gain_t1": round(scores["final_t1"] - scores["sft_t1"], 4), "held_out_questions": config.task.test_size,
             "seconds": round(sum(own[name]["seconds"] for name in RECIPE_STAGES), 1),
@@ -169,6 +175,8 @@ COLUMNS = [("SFT greedy", "sft_greedy", 100, "{:.1f}"), ("final greedy", "final_
            ("final T=1", "final_t1", 100, "{:.1f}"), ("gain T=1", "gain_t1", 100, "{:+.1f}"),
            ("SFT exact tries", "exact_tries_sft_greedy", 100, "{:.0f}"),
            ("final exact tries", "exact_tries_final_greedy", 100, "{:.0f}"),
+           ("SFT unfinished", "unfinished_sft_greedy", 100, "{:.0f}"),
+           ("final unfinished", "unfinished_final_greedy", 100, "{:.0f}"),
            ("minutes", "seconds", 1 / 60, "{:.1f}"), ("peak RSS MiB", "peak_rss_mib", 1, "{:.0f}")]
 FORM_COLUMNS = [  # per number count, greedy: (header, samples, countdown_forms report key, format)
     ("SFT", "forms_sft_greedy", "success", "{:.1f}"), ("final", "forms_final_greedy", "success", "{:.1f}"),
@@ -212,7 +220,8 @@ def markdown_table(results: list[dict]) -> str:
     lines += ["", f"Success in % on {questions} held-out questions (one answer each; standard error <= "
               f"{100 * (0.25 / questions) ** 0.5:.1f} points). SFT = GRPO's start. minutes: the whole recipe (data, "
               "SFT, GRPO; the evaluations apart); peak RSS: its largest stage. exact tries: the mean share of an "
-              "answer's tries that are exact computations over every number (greedy; 0 for an answer without steps). "
+              "answer's tries that are exact computations over every number (greedy; 0 for an answer without steps); "
+              "unfinished: the share of greedy answers cut at the length limit. "
               "Nn columns (greedy, questions with N numbers): the SFT and final success; the share the best single fixed form and the 10 best forms "
               "together solve (chosen on training rows); the final success on the questions none of those 10 solves; "
               f"the share of the final answers in their most used form ({forms}). See docs/tasks_and_rewards.md."]

@@ -253,6 +253,16 @@ def test_real_model_table_shows_the_shortcut_baseline_per_number_count():
     result["exact_tries_sft_greedy"], result["exact_tries_final_greedy"] = 0.48, 0.015
     row = dict(zip(header, markdown_table([result]).splitlines()[2].split(" | ")))
     assert row["SFT exact tries"] == "48" and row["final exact tries"] == "2"
+    assert row["SFT unfinished"] == "nan"
+    result["unfinished_sft_greedy"], result["unfinished_final_greedy"] = 0.59, 0.424
+    row = dict(zip(header, markdown_table([result]).splitlines()[2].split(" | ")))
+    assert row["SFT unfinished"] == "59" and row["final unfinished"] == "42"
+
+
+def test_real_model_unfinished_counts_answers_cut_at_the_length_limit():
+    from bench.real_model_cpu import unfinished
+    samples = [{"finished": False}, {"finished": True}, {"finished": True}, {"finished": False}, {"finished": False}]
+    assert unfinished(samples) == pytest.approx(3 / 5)
 
 
 def test_real_model_exact_tries_replays_the_answers():
