@@ -89,9 +89,8 @@ def set_up_cpu(cpu_threads: int | None) -> None:
     glibc's heap keeps freed activations and cannot reuse them for the next micro-batch's other lengths. With
     torch's THP_MEM_ALLOC_ENABLE, tensors of 2 MiB or more are page-aligned and advised onto huge pages, and the
     SmolLM2 search-KL recipe's GRPO step peaks ~0.5 GB lower, step times overlapping, though a float32 LoRA step
-    peaks ~0.1 GB higher (docs/performance.md). torch
-    reads the variable at its first large allocation, so this runs before any weight loads; a user's own
-    setting wins (THP_MEM_ALLOC_ENABLE=0 turns it off)."""
+    peaks ~0.1 GB higher (docs/performance.md). torch reads the variable at its first large allocation, so this runs
+    before any weight loads; a user's own setting wins (THP_MEM_ALLOC_ENABLE=0 turns it off)."""
     if cpu_threads is not None:
         torch.set_num_threads(cpu_threads)
     if sys.platform == "linux":
