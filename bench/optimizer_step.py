@@ -31,6 +31,7 @@ def timed_step(optimizer, params: list[torch.Tensor], gradients: list[torch.Tens
     for param, gradient in zip(params, gradients):
         if float32_sums is not None:  # what backward leaves with master weights: the float32 sums
             float32_sums.buffers[param] = gradient
+            float32_sums.written.add(param)
         else:
             param.grad = gradient
     start = time.perf_counter()
