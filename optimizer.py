@@ -181,15 +181,17 @@ class Float32Gradients:
     the parameter's float32 buffer and frees it. Micro-batches then add up in float32, and at most one
     parameter's bf16 gradient exists at a time, beside the float32 buffers.
 
-    The buffers are made once and overwritten by each step's first gradient, not freed and made again: on a CPU,
+    On a CPU the buffers are made once and overwritten by each step's first gradient, not freed and made again:
     glibc's heap kept the freed blocks without handing them back out among the next step's activations of other
     lengths: the SmolLM2 search warm-up in bf16 grew by ~0.3 GB a step and peaked at 8.2 GB in 40 steps, 4.7 GB
-    with the buffers kept (float32: 4.1 GB)."""
+    with the buffers kept (float32: 4.1 GB). On a GPU they are freed after each step: the caching allocator
+    reuses the blocks, and the rollout needs the room (Qwen2.5-3B's sums are 12.4 GB)."""
 
     def __init__(self, params: list[torch.Tensor]):
         self.params = params
         self.buffers: dict[torch.Tensor, torch.Tensor] = {}
         self.written: set[torch.Tensor] = set()  # the parameters whose buffer holds this step's sum
+        self.keep_buffers = all(param.device.type == "cpu" for param in params)
         for param in params:
             param.register_post_accumulate_grad_hook(self.add)
 
@@ -218,8 +220,10 @@ class Float32Gradients:
         return [self.buffers[param] for param in self.params]
 
     def start_step(self) -> None:
-        """The next gradient of each parameter starts its sum (the buffers are kept)."""
+        """The next gradient of each parameter starts its sum."""
         self.written.clear()
+        if not self.keep_buffers:
+            self.buffers.clear()
 
 
 # Elements of a weight the offloaded step moves and updates at once: its pinned buffers' size (64 MB of float32

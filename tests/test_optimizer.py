@@ -257,20 +257,22 @@ def test_master_weights_follow_float32_adamw_where_bf16_weights_alone_stall(enab
     assert (without_master == initial.to(device)).float().mean() > 0.5
 
 
-def test_master_weight_sums_reuse_their_buffers_and_zero_what_a_step_did_not_reach() -> None:
-    """The float32 sums live in buffers made at the first step and reused (a weight-sized allocation per step
-    fragmented the CPU heap), yet each step starts its sums afresh: a weight that step 2's backward does not
-    reach gets a zero gradient there (what OptimizerStep sums over ranks), as torch.optim.AdamW given zeros."""
+@pytest.mark.parametrize("device", DEVICES)
+def test_master_weight_sums_reuse_their_buffers_and_zero_what_a_step_did_not_reach(device: str) -> None:
+    """On a CPU the float32 sums live in buffers made at the first step and reused (a weight-sized allocation
+    per step fragmented the heap); on a GPU they are freed after each step (the rollout needs the room). Either
+    way each step starts its sums afresh: a weight that step 2's backward does not reach gets a zero gradient
+    there (what OptimizerStep sums over ranks), as torch.optim.AdamW given zeros."""
     from distributed import OptimizerStep
 
     generator = torch.Generator().manual_seed(2)
     initial = [torch.randn(32, generator=generator).bfloat16() for _ in range(2)]
-    pieces = [[(1 + torch.randn(32, generator=generator)).bfloat16() for _ in range(2)] for _ in range(3)]
+    pieces = [[(1 + torch.randn(32, generator=generator)).bfloat16().to(device) for _ in range(2)] for _ in range(3)]
     reached = [[True, True], [True, False], [True, True]]  # step 2 reaches the first weight only
-    params = [torch.nn.Parameter(weight.clone()) for weight in initial]
+    params = [torch.nn.Parameter(weight.to(device, copy=True)) for weight in initial]
     optimizer = MemoryEfficientAdamW(params, lr=1e-3, enabled=False, master_weights=True)
     step = OptimizerStep(torch.nn.ParameterList(params), optimizer, max_grad_norm=1e9)
-    references = [torch.nn.Parameter(weight.float()) for weight in initial]
+    references = [torch.nn.Parameter(weight.float().to(device)) for weight in initial]
     reference_optimizer = torch.optim.AdamW(references, lr=1e-3, weight_decay=0.0)
     buffers = []
     for step_pieces, step_reached in zip(pieces, reached):
@@ -281,11 +283,14 @@ def test_master_weight_sums_reuse_their_buffers_and_zero_what_a_step_did_not_rea
         step()
         buffers.append(dict(optimizer.float32_gradients.buffers))
         for reference, piece, hit in zip(references, step_pieces, step_reached):
-            reference.grad = 2 * piece.float() if hit else torch.zeros(32)
+            reference.grad = 2 * piece.float() if hit else torch.zeros(32, device=device)
         reference_optimizer.step()
         for param, reference in zip(params, references):
             torch.testing.assert_close(optimizer.state[param]["master"], reference.detach(), rtol=0, atol=1e-6)
-    assert all(buffers[0][param] is later[param] for later in buffers[1:] for param in params)
+    if device == "cpu":
+        assert all(buffers[0][param] is later[param] for later in buffers[1:] for param in params)
+    else:
+        assert buffers == [{}, {}, {}]
 
 
 def test_master_weights_resume_exactly_from_a_state_dict() -> None:
