@@ -181,10 +181,10 @@ class Float32Gradients:
     the parameter's float32 buffer and frees it. Micro-batches then add up in float32, and at most one
     parameter's bf16 gradient exists at a time, beside the float32 buffers.
 
-    On a CPU the buffers are made once and overwritten by each step's first gradient, not freed and made again:
-    glibc's heap kept the freed blocks without handing them back out among the next step's activations of other
-    lengths: the SmolLM2 search warm-up in bf16 grew by ~0.3 GB a step and peaked at 8.2 GB in 40 steps, 4.7 GB
-    with the buffers kept (float32: 4.1 GB). On a GPU they are freed after each step: the caching allocator
+    On a CPU the buffers are made once and overwritten by each step's first gradient, not freed and made again.
+    glibc's heap kept freed buffers without handing them back out among the next step's activations of other
+    lengths, so the SmolLM2 search warm-up in bf16 grew by ~0.3 GB a step and peaked at 8.2 GB in 40 steps; with
+    the buffers kept, 4.7 GB (float32: 4.1 GB). On a GPU they are freed after each step: the caching allocator
     reuses the blocks, and the rollout needs the room (Qwen2.5-3B's sums are 12.4 GB)."""
 
     def __init__(self, params: list[torch.Tensor]):
