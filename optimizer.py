@@ -84,9 +84,9 @@ class MemoryEfficientAdamW(torch.optim.Optimizer):
 
     def gradient(self, param: torch.Tensor) -> torch.Tensor | None:
         """The gradient AdamW applies to `param`: its float32 sum (master weights), else param.grad."""
-        if self.float32_gradients is not None and param in self.float32_gradients.buffers:
-            return self.float32_gradients.gradient(param)
-        return param.grad
+        if self.float32_gradients is not None and param in self.float32_gradients.written:
+            return self.float32_gradients.buffers[param]
+        return param.grad  # None for a low-precision weight under master weights: its hook took the gradient
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
@@ -204,10 +204,6 @@ class Float32Gradients:
             self.buffers[param].copy_(param.grad)
         self.written.add(param)
         param.grad = None
-
-    def gradient(self, param: torch.Tensor) -> torch.Tensor | None:
-        """This step's float32 sum for `param`, or None when no micro-batch reached it (or it is not ours)."""
-        return self.buffers[param] if param in self.written else None
 
     def every_buffer(self) -> list[torch.Tensor]:
         """A buffer for every parameter, in order (zeros where no micro-batch reached it): what ranks sum."""
