@@ -273,9 +273,12 @@ class KVCache:
 
     @classmethod
     def empty(cls, config: ModelConfig, batch_size: int, max_seq_len: int, device, dtype) -> "KVCache":
-        shape = (batch_size, max_seq_len, config.num_key_value_heads, config.head_dim)
-        make = lambda: [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
-        return cls(make(), make())
+        # One allocation whose per-layer views are the buffers. On a CPU, glibc maps a block this large afresh
+        # and unmaps it whole when freed; per-layer buffers of a few MiB each stayed in its heap instead, and a
+        # GRPO process grew by about a cache's size per rollout (SmolLM2: +440 MiB a step, to 4.3 GiB).
+        shape = (2, config.num_hidden_layers, batch_size, max_seq_len, config.num_key_value_heads, config.head_dim)
+        keys, values = torch.zeros(shape, device=device, dtype=dtype)
+        return cls(list(keys), list(values))
 
     @property
     def max_seq_len(self) -> int:

@@ -181,6 +181,22 @@ def test_seeded_sampling_is_reproducible(model, prompts, flags):
     assert run(5) != run(6)
 
 
+def test_cache_is_one_allocation_of_separate_zeroed_layer_buffers(model):
+    """One block (glibc unmaps a block that large whole when it is freed, so a CPU process does not keep each
+    rollout's cache in its heap), cut into contiguous per-layer buffers that do not overlap."""
+    cache = model.new_kv_cache(3, 5)
+    buffers = cache.keys + cache.values
+    shape = (3, 5, model.config.num_key_value_heads, model.config.head_dim)
+    assert len(buffers) == 2 * model.config.num_hidden_layers
+    assert all(buffer.shape == shape and buffer.is_contiguous() and not buffer.any() for buffer in buffers)
+    block = buffers[0].untyped_storage()
+    assert {buffer.untyped_storage().data_ptr() for buffer in buffers} == {block.data_ptr()}
+    layer_bytes = buffers[0].numel() * buffers[0].element_size()
+    starts = sorted(buffer.data_ptr() for buffer in buffers)
+    assert [b - a for a, b in zip(starts, starts[1:])] == [layer_bytes] * (len(buffers) - 1)
+    assert block.nbytes() == len(buffers) * layer_bytes
+
+
 def test_eviction_compacts_rows_inside_the_same_buffers(model):
     cache = model.new_kv_cache(5, 7)
     for buffer in cache.keys + cache.values:
