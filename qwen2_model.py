@@ -277,8 +277,11 @@ class KVCache:
         # and unmaps it whole when freed; per-layer buffers of a few MiB each stayed in its heap instead, and a
         # GRPO process grew by about a cache's size per rollout (SmolLM2: +440 MiB a step, to 4.3 GiB).
         shape = (2, config.num_hidden_layers, batch_size, max_seq_len, config.num_key_value_heads, config.head_dim)
-        keys, values = torch.zeros(shape, device=device, dtype=dtype)
-        return cls(list(keys), list(values))
+        block = torch.zeros(shape, device=device, dtype=dtype)
+        # Detached, each layer's buffer is a tensor of its own to autograd, as separate allocations were: a step
+        # run with grad enabled writes one layer's keys without making the others views of a tensor it changed.
+        layers = range(config.num_hidden_layers)
+        return cls([block[0, layer].detach() for layer in layers], [block[1, layer].detach() for layer in layers])
 
     @property
     def max_seq_len(self) -> int:
