@@ -88,7 +88,7 @@ from grpo import compute_advantages, overlong_penalty, rollout, sample_step, sha
 from optimizer import new_adamw
 from qwen2_model import WithoutAdapters
 from run_logging import log_to_console
-from runtime import load_model, load_policy, step_indices
+from runtime import load_model, load_policy, release_freed_cpu_memory, step_indices
 from training_run import RunStopped, TrainingRun, exit_on_interrupt
 from tokenizer import Tokenizer
 
@@ -210,6 +210,7 @@ def train_from(plan: checkpoint.RunPlan) -> dict:
 
     zero_reward_steps = 0  # consecutive steps in which no episode earned any reward
     for step in run.steps(config.optim.num_steps, desc="grpo"):
+        release_freed_cpu_memory(run.device)  # what the last update freed, before the rollout's KV cache is mapped
         episodes, kept, sampling = sample_step(model, functools.partial(sample_round, step), config.rollout)
         train_episodes = episodes_to_train(kept, config)
         advantages = compute_advantages(train_episodes, config.loss)
