@@ -136,10 +136,20 @@ def child(args: argparse.Namespace) -> None:
             return result
         return ended
 
+    update_tokens = [0]  # tokens the update's forwards ran (shared prefixes once), over the measured steps
+
+    def count_tokens(function):
+        @functools.wraps(function)
+        def counted(model, batch, *call_args, **kwargs):
+            if timer.active and torch.is_grad_enabled():
+                update_tokens[0] += batch.tokens.numel() + (0 if batch.prefixes is None else batch.prefixes.numel())
+            return function(model, batch, *call_args, **kwargs)
+        return counted
+
     train.sample_step = step_start(train.sample_step)
     train.log_step = step_end(timer.wrap("logging", train.log_step))
     grpo.generate = timer.wrap("sampling", grpo.generate)
-    grpo.answer_log_probs = timer.wrap(log_prob_stage, grpo.answer_log_probs)
+    grpo.answer_log_probs = count_tokens(timer.wrap(log_prob_stage, grpo.answer_log_probs))
     countdown_task.reward = timer.wrap("reward", countdown_task.reward)
     gsm8k_task.reward = timer.wrap("reward", gsm8k_task.reward)
     torch.Tensor.backward = timer.wrap("backward", torch.Tensor.backward)
@@ -154,6 +164,7 @@ def child(args: argparse.Namespace) -> None:
 
     print(json.dumps({"steps": len(step_seconds), "step_seconds": sum(step_seconds) / len(step_seconds),
                       "stages": {name: timer.seconds[name] / len(step_seconds) for name in STAGES},
+                      "update_tokens": update_tokens[0] / len(step_seconds),
                       "flops": sum(flops) / len(flops) if flops else None,
                       "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
@@ -182,25 +193,35 @@ def measure(runs: dict[str, tuple[Path, list[str]]], args: argparse.Namespace) -
         median = sorted(timed, key=lambda run: run["step_seconds"])[(len(timed) - 1) // 2]  # a run, not an average
         results[label] = {"step_seconds": median["step_seconds"], "stages": median["stages"], "overrides": overrides,
                           "step_seconds_all": [run["step_seconds"] for run in timed], "gflops_per_step": flops / 1e9,
+                          "update_tokens": median["update_tokens"],
                           "peak_rss_mib_all": [run["peak_rss_mib"] for run in timed]}
     return results
 
 
 def table(results: dict[str, dict], limit: float) -> str:
-    header = ["run", "step s", *STAGES, "other", "GFLOP/step", "GFLOP/s", "of limit", "peak RSS MiB"]
+    header = ["run", "step s", *STAGES, "other", "update tokens", "update s / 1k tokens", "GFLOP/step", "GFLOP/s",
+              "of limit", "peak RSS MiB"]
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for label, result in results.items():
         stages = result["stages"]
         other = result["step_seconds"] - sum(stages.values())
         cells = [label, f"{result['step_seconds']:.2f}",
                  *[f"{stages[name]:.2f} ({100 * stages[name] / result['step_seconds']:.0f}%)" for name in STAGES],
-                 f"{other:.2f}", f"{result['gflops_per_step']:.1f}",
+                 f"{other:.2f}", f"{result['update_tokens']:,.0f}",
+                 f"{1000 * update_seconds(stages) / result['update_tokens']:.3f}" if result["update_tokens"] else "-",
+                 f"{result['gflops_per_step']:.1f}",
                  f"{result['gflops_per_step'] / result['step_seconds']:.1f}", f"{100 * result['fraction_of_limit']:.1f}%",
                  f"{max(result['peak_rss_mib_all']):,.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append(f"\nSeconds per step (median of rounds), each stage's share in brackets; limit: torch.mm (float32) "
-                 f"at {limit:.0f} GFLOP/s; peak RSS: the largest of the rounds.")
+                 f"at {limit:.0f} GFLOP/s; peak RSS: the largest of the rounds. Update tokens: what the update's "
+                 f"forwards ran per step (groups without reward spread are skipped, so runs whose policies differ "
+                 f"update different amounts: compare them per 1k tokens).")
     return "\n".join(lines)
+
+
+def update_seconds(stages: dict[str, float]) -> float:
+    return sum(stages[name] for name in ("logprob_forward", "backward", "reference", "optimizer"))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
