@@ -100,7 +100,7 @@ def set_up_cpu(cpu_threads: int | None) -> None:
 
 @lru_cache(maxsize=1)
 def _glibc():
-    """The C library when it is glibc (it has malloc_trim), else None: musl, macOS and Windows keep no such heap."""
+    """The C library when it is glibc, else None (musl, macOS and Windows have no malloc_trim)."""
     if sys.platform != "linux":
         return None
     try:
