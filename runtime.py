@@ -103,11 +103,8 @@ def _glibc():
     """The C library when it is glibc, else None (musl, macOS and Windows have no malloc_trim)."""
     if sys.platform != "linux":
         return None
-    try:
-        libc = ctypes.CDLL(None)
-        return libc if hasattr(libc, "malloc_trim") else None
-    except OSError:
-        return None
+    libc = ctypes.CDLL(None)  # the libraries this process has loaded, the C library among them
+    return libc if hasattr(libc, "malloc_trim") else None
 
 
 def release_freed_cpu_memory(device: torch.device) -> None:
