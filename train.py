@@ -210,7 +210,8 @@ def train_from(plan: checkpoint.RunPlan) -> dict:
 
     zero_reward_steps = 0  # consecutive steps in which no episode earned any reward
     for step in run.steps(config.optim.num_steps, desc="grpo"):
-        release_freed_cpu_memory(run.device)  # what the last update freed, before the rollout's KV cache is mapped
+        if config.rollout.release_cpu_memory:  # what the last update freed, before the rollout's KV cache is mapped
+            release_freed_cpu_memory(run.device)
         episodes, kept, sampling = sample_step(model, functools.partial(sample_round, step), config.rollout)
         train_episodes = episodes_to_train(kept, config)
         advantages = compute_advantages(train_episodes, config.loss)

@@ -259,13 +259,17 @@ def test_ctrl_c_ends_the_step_saves_it_and_resume_matches_an_uninterrupted_run(t
                                                                                          (1, 2, 3, 4)]
 
 
+@pytest.mark.parametrize("release", [True, False])
 def test_each_rollout_starts_after_the_freed_cpu_memory_is_released(tmp_path, tiny_model_dir, countdown_dir,
-                                                                     digit_reward, monkeypatch):
-    """The last update's freed activations go back to the system before the rollout maps its KV cache, so the
-    GRPO stage peaks at the larger of the two, not their sum (runtime.release_freed_cpu_memory)."""
+                                                                     digit_reward, monkeypatch, release):
+    """With rollout.release_cpu_memory, the last update's freed activations go back to the system before the
+    rollout maps its KV cache, so the GRPO stage peaks at the larger of the two, not their sum
+    (runtime.release_freed_cpu_memory); without it, nothing is released."""
     events = []
-    release, sample_step = train.release_freed_cpu_memory, train.sample_step
-    monkeypatch.setattr(train, "release_freed_cpu_memory", lambda device: events.append("release") or release(device))
+    release_memory, sample_step = train.release_freed_cpu_memory, train.sample_step
+    monkeypatch.setattr(train, "release_freed_cpu_memory",
+                        lambda device: events.append("release") or release_memory(device))
     monkeypatch.setattr(train, "sample_step", lambda *args, **kwargs: events.append("rollout") or sample_step(*args, **kwargs))
-    train.train(tiny_config(tmp_path, tiny_model_dir, countdown_dir, "eval.interval=0"))
-    assert events == ["release", "rollout"] * 3
+    train.train(tiny_config(tmp_path, tiny_model_dir, countdown_dir, "eval.interval=0",
+                            f"rollout.release_cpu_memory={str(release).lower()}"))
+    assert events == (["release", "rollout"] if release else ["rollout"]) * 3
