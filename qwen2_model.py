@@ -401,8 +401,11 @@ class Attention(nn.Module):
         prefix_q, prefix_k, prefix_v = self.queries_keys_values(prefix_x, *prefix_rope)
         q, k, v = self.queries_keys_values(x, *rope)
         prefix_out = F.scaled_dot_product_attention(prefix_q, prefix_k, prefix_v, is_causal=True, enable_gqa=True)
-        keys = torch.cat([prefix_k[prefix_index], k], dim=2)
-        values = torch.cat([prefix_v[prefix_index], v], dim=2)
+        # index_select, not prefix_k[prefix_index]: indexing's backward sums the rows into their prefix with
+        # index_put_(accumulate=True), whose CPU kernel adds in parallel in no fixed order (two threads: another
+        # gradient each run); index_select's backward, index_add_, adds in the rows' order.
+        keys = torch.cat([prefix_k.index_select(0, prefix_index), k], dim=2)
+        values = torch.cat([prefix_v.index_select(0, prefix_index), v], dim=2)
         out = masked_grouped_attention(q, keys, values, mask)
         return self.output(prefix_out), self.output(out)
 

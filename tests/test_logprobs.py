@@ -185,3 +185,32 @@ def test_answer_batch_shares_the_template_start_when_every_prompt_differs():
     # One prefix per prompt would run 3 x 3 + 3 x 3 positions; the shared start 2 + 3 x 4.
     assert batch.prefixes.tolist() == [[5, 6]] and batch.prefix_index.tolist() == [0, 0, 0]
     assert batch.tokens.tolist() == [[7, 9, 1, 0], [8, 9, 2, 0], [3, 9, 3, 3]]
+
+
+def test_gradients_through_a_shared_prefix_are_the_same_every_run(tiny_model_dir):
+    """Two threads sum the rows' gradients into the prefix they share in the same order every time: the same batch
+    gives bit-identical gradients, so a seed's run is the same run (SFT stops at the same step). Indexing's backward
+    (index_put_ with accumulate) added them in parallel in no fixed order: the demo's SFT weights differed after
+    its first step from one run to the next."""
+    model = Transformer.from_pretrained(tiny_model_dir, dtype=torch.float32).train()
+    generator = torch.Generator().manual_seed(0)
+    random_tokens = lambda length: torch.randint(0, model.config.vocab_size, (length,), generator=generator).tolist()
+    template = random_tokens(60)  # SFT's prompts: one template, then each its own question
+    prompts = [template + random_tokens(5) for _ in range(32)]
+    batch = answer_batch([prompt + random_tokens(30) for prompt in prompts], [len(prompt) for prompt in prompts], 0,
+                         torch.device("cpu"))
+    assert batch.prefixes.shape[0] == 1  # every row continues the template's prefix
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runs = []
+        for _ in range(6):
+            model.zero_grad()
+            log_probs, _ = answer_log_probs(model, batch, 16, with_entropy=False)
+            (log_probs * batch.mask).sum().backward()
+            runs.append({name: param.grad.clone() for name, param in model.named_parameters()})
+    finally:
+        torch.set_num_threads(threads)
+    for run in runs[1:]:
+        assert all(torch.equal(run[name], runs[0][name]) for name in run), [
+            name for name in run if not torch.equal(run[name], runs[0][name])]
