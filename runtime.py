@@ -112,8 +112,8 @@ def release_freed_cpu_memory(device: torch.device) -> None:
 
     An update frees its activations, but glibc keeps their pages (~0.6 GB for the SmolLM2 recipe's float32 LoRA
     update), and a rollout's KV cache is then mapped on top of them: the GRPO stage's peak is that sum. Called
-    before each rollout, the peak is the larger of the two instead (docs/performance.md). CUDA memory is the
-    caching allocator's, which reuses it."""
+    before each rollout (rollout.release_cpu_memory), the peak is the larger of the two instead
+    (docs/performance.md). CUDA memory is the caching allocator's, which reuses it."""
     libc = _glibc()
     if device.type == "cpu" and libc is not None:
         libc.malloc_trim(0)
