@@ -7,7 +7,10 @@ coverage. So every CountDown score is reported per number count beside:
 - best_form: the share of the scored questions that the best single form solves;
 - top10_forms: the share that at least one of the 10 best forms solves;
 - success_outside_top10: the policy's success on the questions that none of those 10 forms solves;
-- policy_form_share: the share of answers written in the policy's most used form (policy_form).
+- policy_form_share: the share of answers written in the policy's most used form (policy_form);
+- mul_div_answer_share: the share of answers that use * or /, which most questions outside the top forms need;
+- pass_outside_top10: with several answers per question, the share of the questions outside the 10 forms that
+  at least one answer solves (pass@k there: what GRPO's groups can find to reinforce).
 The forms are chosen on training rows (the best single form; then the 10 that together solve the most,
 picked greedily), never on the scored questions. docs/tasks_and_rewards.md explains the numbers.
 """
@@ -156,9 +159,11 @@ class FormBaseline:
         successes = np.array([sample["reward_info"]["answer_reward"] > 0 for sample in samples])
         forms_used = Counter(answer_form(sample["response"], sample["nums"]) for sample in samples)
         written = [(form, used) for form, used in forms_used.most_common() if form is not None]
+        answers = [extract_answer_text(sample["response"]) or "" for sample in samples]
         report = {"success": float(successes.mean()), "questions": len({sample["question_index"] for sample in samples}),
                   "policy_form": written[0][0] if written else "none",
-                  "policy_form_share": written[0][1] / len(samples) if written else 0.0}
+                  "policy_form_share": written[0][1] / len(samples) if written else 0.0,
+                  "mul_div_answer_share": float(np.mean([any(op in answer for op in "*/") for answer in answers]))}
         if count not in self.forms:  # no training rows of this count (or too many numbers): no forms
             return report
         solved = coverage([(sample["nums"], sample["target"]) for sample in samples])
@@ -171,6 +176,11 @@ class FormBaseline:
                        "top10_forms_coverage": float(top[first_rows].mean()),
                        "questions_outside_top10": int(outside[first_rows].sum()),
                        "success_outside_top10": float(successes[outside].mean()) if outside.any() else 0.0})
+        if len(samples) > len(first_rows):  # several answers per question
+            outside_questions = {samples[row]["question_index"] for row in first_rows if outside[row]}
+            solved_questions = {sample["question_index"] for sample, right in zip(samples, successes) if right}
+            report["pass_outside_top10"] = (len(outside_questions & solved_questions) / len(outside_questions)
+                                            if outside_questions else 0.0)
         return report
 
 

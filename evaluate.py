@@ -216,11 +216,14 @@ def baseline_lines(metrics: dict) -> list[str]:
     for count in sorted({key.split("_numbers/")[0] for key in metrics if "_numbers/" in key}, key=int):
         value = lambda name: metrics.get(f"{count}_numbers/{name}")
         line = (f"{count} numbers: success {value('success'):.3f} of {value('questions')} questions; "
-                f"writes `{value('policy_form')}` {value('policy_form_share'):.0%}")
+                f"writes `{value('policy_form')}` {value('policy_form_share'):.0%}, "
+                f"* or / in {value('mul_div_answer_share'):.0%}")
         if value("best_form") is not None:
             line += (f"; best form `{value('best_form')}` solves {value('best_form_coverage'):.3f}, the top 10 "
                      f"{value('top10_forms_coverage'):.3f}; success outside them {value('success_outside_top10'):.3f} "
                      f"of {value('questions_outside_top10')}")
+            if value("pass_outside_top10") is not None:
+                line += f" (any answer right: {value('pass_outside_top10'):.3f})"
         lines.append(line)
     return lines
 

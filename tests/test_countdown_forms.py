@@ -112,4 +112,26 @@ def test_report_without_training_rows_of_a_count_gives_no_forms():
     baseline = FormBaseline.fit([[1, 2, 3]], [6])
     report = baseline.report([sample(0, [3, 4], 7, "3 + 4", True)])
     assert report == {"2_numbers/success": 1.0, "2_numbers/questions": 1, "2_numbers/policy_form": "a + b",
-                      "2_numbers/policy_form_share": 1.0}
+                      "2_numbers/policy_form_share": 1.0, "2_numbers/mul_div_answer_share": 0.0}
+
+
+def test_report_counts_answers_with_mul_or_div_and_outside_questions_any_answer_solves():
+    # a + b - c solves every training row, and no 3-number rows are left for other forms to add anything.
+    baseline = FormBaseline.fit([[1, 2, 3], [5, 5, 2], [4, 3, 2]], [0, 8, 5])
+    outside_question, inside_question = ([6, 2, 3], 9), ([10, 2, 3], 9)  # 6 * 3 / 2; 10 + 2 - 3
+    assert not any(solved_by_parser(form, *outside_question) for form in baseline.forms[3])
+    assert solved_by_parser("a + b - c", *inside_question)
+    samples = [  # two answers per question
+        sample(0, *outside_question, "6 * 3 / 2", True),
+        sample(0, *outside_question, "6 + 3", False),
+        sample(1, *inside_question, "10 + 2 - 3", True),
+        sample(1, *inside_question, "10 * 3 / 2", False),
+    ]
+    report = baseline.report(samples)
+    assert report["3_numbers/mul_div_answer_share"] == 0.5  # answers 0 and 3
+    assert report["3_numbers/questions_outside_top10"] == 1
+    assert report["3_numbers/success_outside_top10"] == 0.5  # one of its two answers
+    assert report["3_numbers/pass_outside_top10"] == 1.0  # its one question has a right answer
+    samples[0]["reward_info"]["answer_reward"] = 0.0
+    assert baseline.report(samples)["3_numbers/pass_outside_top10"] == 0.0
+    assert "3_numbers/pass_outside_top10" not in baseline.report(samples[::2])  # one answer per question
