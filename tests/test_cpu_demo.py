@@ -60,9 +60,11 @@ def test_shortened_demo_learns_and_its_checkpoint_evaluates_greedily(tmp_path):
 
 
 # bench/learning_cpu.py's stages at toy sizes: 48 held-out questions, 8 SFT steps, 2 GRPO steps of 2 questions.
+# Dynamic sampling draws 2 questions a round, not the demo's 32: an 8-step SFT model earns no reward, so every
+# round of every step runs (the demo's 6 x 32 questions x 8 answers were most of these tests' time).
 TINY_BENCH = [
     "task.test_size=48", "eval.max_questions=16", "eval.interval=2", "optim.num_steps=2", "checkpoint.interval=0",
-    "rollout.episodes_per_step=16", "cpu_threads=1",
+    "rollout.episodes_per_step=16", "rollout.dynamic_sampling_questions_per_round=2", "cpu_threads=1",
     "bootstrap.dataset_args=--size 400 --min-numbers 2 --max-numbers 2 --max-number 20 --max-target 40 --with-solutions",
     "bootstrap.sft_overrides=[optim.num_steps=8, optim.stop_at_success=null, eval.interval=0, data.eval_size=16]",
 ]
