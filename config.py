@@ -240,10 +240,22 @@ class TaskConfig:
     # countdown: the question after GRPO:Zero's instructions (same words), so every prompt starts with the same
     # ~110 tokens, which generation and the update run once per batch
     question_last: bool = False
+    # countdown: each training question of these number counts that none of the 10 best fixed answer forms solves
+    # (countdown_forms.py, forms chosen on the training rows) is drawn this many times per pass over the data.
+    # GRPO otherwise spends most groups on questions a template answers and unlearns the * and / the rest need
+    # (docs/cpu_demo.md). 1: every question once. Held-out questions are never repeated.
+    outside_forms_repeat: int = 1
+    outside_forms_numbers: list[int] = field(default_factory=lambda: [3])
 
     def validate(self) -> None:
         paths(self, "data_dir", "prompt_template")
         at_least(self, "test_size", 1)  # an empty test split would make every evaluation 0/0
+        within(self, "outside_forms_repeat", 1, 100)
+        check(self.outside_forms_repeat == 1 or self.name == "countdown", "outside_forms_repeat",
+              "must be 1 unless task.name is countdown (only CountDown has answer forms)", self.outside_forms_repeat)
+        check(bool(self.outside_forms_numbers) and set(self.outside_forms_numbers) <= set(FORM_NUMBER_COUNTS),
+              "outside_forms_numbers", f"must be number counts among {list(FORM_NUMBER_COUNTS)}",
+              self.outside_forms_numbers)
         check(self.is_builtin or MODULE_PATH.fullmatch(self.name), "name", f"must be {' or '.join(BUILTIN_TASKS)}, or the "
               "import path of a task module (e.g. my_tasks.sudoku)", self.name)
         check(self.is_builtin or module_exists(self.name), "name", "no such module: put your task module where "
@@ -260,6 +272,7 @@ class TaskConfig:
 
 
 BUILTIN_TASKS = ("countdown", "gsm8k")
+FORM_NUMBER_COUNTS = (2, 3, 4)  # the counts countdown_forms.py scores (MAX_FORM_NUMBERS)
 MODULE_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 

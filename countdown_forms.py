@@ -143,6 +143,21 @@ class FormBaseline:
                 by_count[len(row[0])].append(row)
         return cls({count: best_forms(rows) for count, rows in sorted(by_count.items())})
 
+    def outside(self, numbers: list[list[int]], targets: list[int], counts: list[int]) -> list[bool]:
+        """Per row: whether its number count is one of `counts` and none of that count's forms solves it."""
+        is_outside = [False] * len(targets)
+        for count in set(counts) & set(self.forms):
+            rows = [index for index, row_numbers in enumerate(numbers) if len(row_numbers) == count]
+            if not rows:
+                continue
+            count_numbers = np.array([numbers[index] for index in rows], dtype=np.int64)
+            count_targets = np.array([targets[index] for index in rows], dtype=np.int64)
+            top = functools.reduce(np.logical_or, (solves(all_forms(count)[form], count_numbers, count_targets)
+                                                   for form in self.forms[count]))
+            for index, in_top in zip(rows, top):
+                is_outside[index] = not in_top
+        return is_outside
+
     def report(self, samples: list[dict]) -> dict[str, float | str]:
         """Per number count of the samples' questions: success, the forms' coverage of the same questions,
         success outside the top forms and the policy's most used form. Keys `{count}_numbers/...`."""

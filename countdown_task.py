@@ -114,8 +114,11 @@ SFT_CONFIG = "configs/countdown_sft.yaml"
 
 def load_dataset(config: TaskConfig, tokenizer, split: str) -> "CountdownDataset":
     """The task interface's dataset (tasks.py)."""
-    return CountdownDataset(config.data_dir, tokenizer, split, test_size=config.test_size,
-                            question_last=config.question_last)
+    dataset = CountdownDataset(config.data_dir, tokenizer, split, test_size=config.test_size,
+                               question_last=config.question_last)
+    if split == "train" and config.outside_forms_repeat > 1:
+        dataset.repeat_outside_forms(config.outside_forms_repeat, config.outside_forms_numbers)
+    return dataset
 
 
 SOLVABLE_ROWS_CHECKED = 64
@@ -123,7 +126,7 @@ SOLVABLE_ROWS_CHECKED = 64
 
 class CountdownDataset(torch.utils.data.Dataset):
     """CountDown tasks; test = the last test_size rows, train = the rows before them minus any that repeat
-    a test question."""
+    a test question. Item i is row rows[i] of the columns: every row once, unless repeat_outside_forms adds some."""
 
     def __init__(self, data_dir: str | Path, tokenizer, split: str = "train", *, test_size: int = 128,
                  question_last: bool = False):
@@ -143,6 +146,7 @@ class CountdownDataset(torch.utils.data.Dataset):
         if split == "train":
             self.drop_held_out_tasks(table.slice(first_test_row))
         self.check_solvable(data_dir, split)
+        self.rows = list(range(len(self.columns["target"])))
         self.tokenizer = tokenizer
         self.question_last = question_last
 
@@ -165,12 +169,22 @@ class CountdownDataset(torch.utils.data.Dataset):
         if num_left_out := keep.count(False):
             logger.info("left out %d training rows that repeat a held-out question", num_left_out)
 
+    def repeat_outside_forms(self, repeat: int, counts: list[int]) -> None:
+        """Draw each question of these number counts that none of the 10 best forms (fitted on these rows, as
+        shortcut_baseline's) solves `repeat` times per pass (task.outside_forms_repeat)."""
+        is_outside = shortcut_baseline(self).outside(self.columns["nums"], self.columns["target"], counts)
+        outside_rows = [row for row, outside in enumerate(is_outside) if outside]
+        self.rows += outside_rows * (repeat - 1)
+        logger.info("%d training questions of %s numbers are outside the 10 best forms; drawn %d times each, they are "
+                    "%.0f%% of the %d draws per pass", len(outside_rows), "/".join(map(str, counts)), repeat,
+                    100 * len(outside_rows) * repeat / len(self.rows), len(self.rows))
+
     def __len__(self) -> int:
-        return len(self.columns["target"])
+        return len(self.rows)
 
     def example(self, index: int) -> dict:
         """The item without its prompt's token ids (tokenizing one prompt at a time is the slow part)."""
-        item = {name: values[index] for name, values in self.columns.items()}
+        item = {name: values[self.rows[index]] for name, values in self.columns.items()}
         item["prompt"] = render_prompt(self.tokenizer, item["nums"], item["target"], self.question_last)
         return item
 
