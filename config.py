@@ -240,22 +240,10 @@ class TaskConfig:
     # countdown: the question after GRPO:Zero's instructions (same words), so every prompt starts with the same
     # ~110 tokens, which generation and the update run once per batch
     question_last: bool = False
-    # countdown: each training question of these number counts that none of the 10 best fixed answer forms solves
-    # (countdown_forms.py, forms chosen on the training rows) is drawn this many times per pass over the data.
-    # GRPO otherwise spends most groups on questions a template answers and unlearns the * and / the rest need
-    # (docs/cpu_demo.md). 1: every question once. Held-out questions are never repeated.
-    outside_forms_repeat: int = 1
-    outside_forms_numbers: list[int] = field(default_factory=lambda: [3])
 
     def validate(self) -> None:
         paths(self, "data_dir", "prompt_template")
         at_least(self, "test_size", 1)  # an empty test split would make every evaluation 0/0
-        within(self, "outside_forms_repeat", 1, 100)
-        check(self.outside_forms_repeat == 1 or self.name == "countdown", "outside_forms_repeat",
-              "must be 1 unless task.name is countdown (only CountDown has answer forms)", self.outside_forms_repeat)
-        check(bool(self.outside_forms_numbers) and set(self.outside_forms_numbers) <= set(FORM_NUMBER_COUNTS),
-              "outside_forms_numbers", f"must be number counts among {list(FORM_NUMBER_COUNTS)}",
-              self.outside_forms_numbers)
         check(self.is_builtin or MODULE_PATH.fullmatch(self.name), "name", f"must be {' or '.join(BUILTIN_TASKS)}, or the "
               "import path of a task module (e.g. my_tasks.sudoku)", self.name)
         check(self.is_builtin or module_exists(self.name), "name", "no such module: put your task module where "
@@ -329,11 +317,21 @@ class RolloutConfig:
     # Lowers the peak where the rollout's KV cache would be mapped on top of them (SmolLM2 LoRA: 2.7 -> 2.4 GiB);
     # each step then maps those pages anew, ~0.5 s per 600 MiB (the demo: 12% slower, same peak).
     release_cpu_memory: bool = False
+    # countdown: each training question of these number counts that none of the 10 best fixed answer forms solves
+    # (countdown_forms.py, forms chosen on the training rows) is drawn this many times per pass over the data.
+    # GRPO otherwise spends most groups on questions a template answers and unlearns the * and / the rest need
+    # (docs/cpu_demo.md). 1: every question once. The warm-up and the held-out questions are not affected.
+    outside_forms_repeat: int = 1
+    outside_forms_numbers: list[int] = field(default_factory=lambda: [3])
 
     def validate(self) -> None:
         for name in ("episodes_per_step", "num_answers_per_question", "max_prompt_len", "max_gen_len",
                      "dynamic_sampling_max_rounds", "dynamic_sampling_questions_per_round"):
             at_least(self, name, 1)
+        within(self, "outside_forms_repeat", 1, 100)
+        check(bool(self.outside_forms_numbers) and set(self.outside_forms_numbers) <= set(FORM_NUMBER_COUNTS),
+              "outside_forms_numbers", f"must be number counts among {list(FORM_NUMBER_COUNTS)}",
+              self.outside_forms_numbers)
         check(self.max_decode_rows is None or self.max_decode_rows >= self.num_answers_per_question,
               "max_decode_rows", f"must be >= num_answers_per_question ({self.num_answers_per_question}): a "
               "question's answers decode together, on its prompt's cache", self.max_decode_rows)
@@ -565,6 +563,8 @@ class TrainConfig:
         if rollout.questions_per_round % world_size():
             raise ConfigError(f"rollout.dynamic_sampling_questions_per_round ({rollout.questions_per_round}) must "
                               f"split evenly over {world_size()} ranks")
+        check(rollout.outside_forms_repeat == 1 or self.task.name == "countdown", "rollout.outside_forms_repeat",
+              f"only countdown has answer forms, not {self.task.name}; set it to 1", rollout.outside_forms_repeat)
         check(not self.loss.try_reward_weight or self.task.name == "countdown", "loss.try_reward_weight",
               f"only countdown's reward checks written tries, not {self.task.name}'s; set it to 0",
               self.loss.try_reward_weight)

@@ -114,11 +114,8 @@ SFT_CONFIG = "configs/countdown_sft.yaml"
 
 def load_dataset(config: TaskConfig, tokenizer, split: str) -> "CountdownDataset":
     """The task interface's dataset (tasks.py)."""
-    dataset = CountdownDataset(config.data_dir, tokenizer, split, test_size=config.test_size,
-                               question_last=config.question_last)
-    if split == "train" and config.outside_forms_repeat > 1:
-        dataset.repeat_outside_forms(config.outside_forms_repeat, config.outside_forms_numbers)
-    return dataset
+    return CountdownDataset(config.data_dir, tokenizer, split, test_size=config.test_size,
+                            question_last=config.question_last)
 
 
 SOLVABLE_ROWS_CHECKED = 64
@@ -171,7 +168,7 @@ class CountdownDataset(torch.utils.data.Dataset):
 
     def repeat_outside_forms(self, repeat: int, counts: list[int]) -> None:
         """Draw each question of these number counts that none of the 10 best forms (fitted on these rows, as
-        shortcut_baseline's) solves `repeat` times per pass (task.outside_forms_repeat)."""
+        shortcut_baseline's) solves `repeat` times per pass (rollout.outside_forms_repeat)."""
         is_outside = shortcut_baseline(self).outside(self.columns["nums"], self.columns["target"], counts)
         outside_rows = [row for row, outside in enumerate(is_outside) if outside]
         self.rows += outside_rows * (repeat - 1)

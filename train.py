@@ -177,6 +177,8 @@ def train_from(plan: checkpoint.RunPlan) -> dict:
         tokenizer = Tokenizer(run.model_dir)
         train_set, test_set = (tasks.load_dataset(config.task, tokenizer, split) for split in ("train", "test"))
         check_prompts_fit(train_set, config.rollout.max_prompt_len)
+        if config.rollout.outside_forms_repeat > 1:  # CountDown's (config.py checked)
+            train_set.repeat_outside_forms(config.rollout.outside_forms_repeat, config.rollout.outside_forms_numbers)
         reward = tasks.get(config.task).reward
         if not plan.lengths_checked:  # a model the bootstrap just built
             config.model.lora.check_width(inputs.read_hf_config(run.model_dir))

@@ -60,9 +60,10 @@ BAD_TRAIN_VALUES = [
     ("eval.top_p=1.5", "eval.top_p: must be in (0, 1], got 1.5"),
     ("eval.max_gen_len=0", "eval.max_gen_len: must be >= 1, got 0"),
     ("task.test_size=0", "task.test_size: must be >= 1, got 0"),
-    ("task.outside_forms_repeat=0", "task.outside_forms_repeat: must be in [1, 100], got 0"),
-    ("task.outside_forms_numbers=[3,5]", "task.outside_forms_numbers: must be number counts among [2, 3, 4], got [3, 5]"),
-    ("task.outside_forms_numbers=[]", "task.outside_forms_numbers: must be number counts among [2, 3, 4], got []"),
+    ("rollout.outside_forms_repeat=0", "rollout.outside_forms_repeat: must be in [1, 100], got 0"),
+    ("rollout.outside_forms_numbers=[3,5]", "rollout.outside_forms_numbers: must be number counts among [2, 3, 4], "
+     "got [3, 5]"),
+    ("rollout.outside_forms_numbers=[]", "rollout.outside_forms_numbers: must be number counts among [2, 3, 4], got []"),
     ("task.data_dir=''", "task.data_dir: must be a non-empty path"),
     ("model.dir=''", "model.dir: must be a non-empty path"),
     ("cpu_threads=0", "cpu_threads: must be in [1, 1024], got 0"),
@@ -121,9 +122,10 @@ def test_try_reward_needs_countdown(tmp_path, capsys):
 
 
 def test_outside_forms_repeat_needs_countdown(tmp_path, capsys):
-    overrides = ["--set", "task.name=gsm8k", "--set", "task.outside_forms_repeat=4"]
+    overrides = ["--set", "task.name=gsm8k", "--set", "rollout.outside_forms_repeat=4"]
     err = run_main(train.main, ["--config", "configs/cpu_demo.yaml", *isolated_overrides(tmp_path), *overrides], capsys)
-    assert err.startswith("config error: task.outside_forms_repeat: must be 1 unless task.name is countdown"), err
+    assert err.startswith("config error: rollout.outside_forms_repeat: only countdown has answer forms, not gsm8k; "
+                          "set it to 1, got 4"), err
     assert list(tmp_path.iterdir()) == []
 
 

@@ -8,8 +8,6 @@ from collections import Counter
 import numpy as np
 import pytest
 
-import countdown_task
-from config import TaskConfig
 from countdown_forms import FormBaseline, all_forms, answer_form, best_forms, coverage
 from countdown_task import CountdownDataset, parse_expression
 from test_countdown_task import generate, reachable_values, tokenizer  # noqa: F401 (tokenizer: a fixture)
@@ -141,11 +139,10 @@ def test_report_counts_answers_with_mul_or_div_and_outside_questions_any_answer_
 
 
 def test_training_questions_outside_the_top_forms_are_drawn_repeat_times(tmp_path, tokenizer):  # noqa: F811
-    """task.outside_forms_repeat=3: each 3-number training question that none of its count's 10 forms solves,
+    """rollout.outside_forms_repeat=3: each 3-number training question that none of its count's 10 forms solves,
     each form written out and parsed by the reward's parser, is drawn 3 times per pass; every other question (2 and
-    4 numbers, and 3 numbers a form solves) once; the held-out split is unchanged."""
+    4 numbers, and 3 numbers a form solves) once."""
     generate(tmp_path, "--size", "600", "--seed", "5", "--min-numbers", "2", "--max-numbers", "4")
-    config = TaskConfig(data_dir=str(tmp_path), test_size=60, outside_forms_repeat=3)
     plain = CountdownDataset(tmp_path, tokenizer, test_size=60)
     forms = FormBaseline.fit(plain.columns["nums"], plain.columns["target"]).forms[3]
     expected = Counter()
@@ -153,9 +150,7 @@ def test_training_questions_outside_the_top_forms_are_drawn_repeat_times(tmp_pat
         outside = len(numbers) == 3 and not any(solved_by_parser(form, numbers, target) for form in forms)
         expected[tuple(numbers), target] += 3 if outside else 1
     assert 0 < sum(expected.values()) - len(plain) < len(plain)  # some questions, not all, are repeated
-    train = countdown_task.load_dataset(config, tokenizer, "train")
+    train = CountdownDataset(tmp_path, tokenizer, test_size=60)
+    train.repeat_outside_forms(3, [3])
     assert Counter((tuple(train.example(i)["nums"]), train.example(i)["target"]) for i in range(len(train))) == expected
     assert train[len(train) - 1]["prompt_token_ids"] == tokenizer.encode(train.example(len(train) - 1)["prompt"])
-    test = countdown_task.load_dataset(config, tokenizer, "test")
-    assert [test.example(i)["nums"] for i in range(len(test))] == CountdownDataset(tmp_path, tokenizer, "test",
-                                                                                   test_size=60).columns["nums"]

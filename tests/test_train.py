@@ -14,6 +14,7 @@ import config as config_lib
 import countdown_task
 import train
 from qwen2_model import Transformer
+from tokenizer import Tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -141,6 +142,19 @@ def test_rewarded_steps_update_and_never_warn(tmp_path, tiny_model_dir, countdow
         train.train(config)
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
     assert read_scalars(tmp_path / "logs" / "tiny")["train/update_skipped"] == [(1, 0.0), (2, 0.0)]
+
+
+def test_outside_forms_repeat_reaches_the_training_set(tmp_path, tiny_model_dir, countdown_dir, digit_reward, caplog):
+    """train.py repeats the questions outside the top forms as configured (which ones: test_countdown_forms.py)."""
+    config = tiny_config(tmp_path, tiny_model_dir, countdown_dir, "optim.num_steps=1", "eval.interval=0",
+                         "rollout.outside_forms_repeat=4", "rollout.outside_forms_numbers=[3,4]")
+    with caplog.at_level(logging.INFO):
+        train.train(config)
+    [line] = [r.getMessage() for r in caplog.records if "outside the 10 best forms" in r.getMessage()]
+    outside, draws = int(line.split()[0]), int(line.split(" of the ")[-1].split()[0])
+    assert " of 3/4 numbers " in line and "drawn 4 times each" in line
+    training_rows = len(countdown_task.CountdownDataset(countdown_dir, Tokenizer(tiny_model_dir), test_size=4))
+    assert 0 < outside and draws == training_rows + 3 * outside
 
 
 def test_all_unfinished_episodes_skip_the_update(tmp_path, tiny_model_dir, countdown_dir, caplog):
