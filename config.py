@@ -323,12 +323,14 @@ class RolloutConfig:
     # (docs/cpu_demo.md). 1: every question once. The warm-up and the held-out questions are not affected.
     outside_forms_repeat: int = 1
     outside_forms_numbers: list[int] = field(default_factory=lambda: [3])
+    outside_forms_repeat_after: int = 0  # steps 1..N draw every question once; the repeat starts at step N+1
 
     def validate(self) -> None:
         for name in ("episodes_per_step", "num_answers_per_question", "max_prompt_len", "max_gen_len",
                      "dynamic_sampling_max_rounds", "dynamic_sampling_questions_per_round"):
             at_least(self, name, 1)
         within(self, "outside_forms_repeat", 1, 100)
+        at_least(self, "outside_forms_repeat_after", 0)
         check(bool(self.outside_forms_numbers) and set(self.outside_forms_numbers) <= set(FORM_NUMBER_COUNTS),
               "outside_forms_numbers", f"must be number counts among {list(FORM_NUMBER_COUNTS)}",
               self.outside_forms_numbers)

@@ -10,6 +10,7 @@ Generate a dataset in the layout of the Hub dataset Jiayi-Pan/Countdown-Tasks-3t
 """
 
 import argparse
+import copy
 import functools
 import itertools
 import logging
@@ -166,15 +167,17 @@ class CountdownDataset(torch.utils.data.Dataset):
         if num_left_out := keep.count(False):
             logger.info("left out %d training rows that repeat a held-out question", num_left_out)
 
-    def repeat_outside_forms(self, repeat: int, counts: list[int]) -> None:
-        """Draw each question of these number counts that none of the 10 best forms (fitted on these rows, as
-        shortcut_baseline's) solves `repeat` times per pass (rollout.outside_forms_repeat)."""
+    def with_outside_forms_repeated(self, repeat: int, counts: list[int]) -> "CountdownDataset":
+        """This dataset with each question of these number counts that none of the 10 best forms (fitted on these
+        rows, as shortcut_baseline's) solves drawn `repeat` times per pass (rollout.outside_forms_repeat)."""
         is_outside = shortcut_baseline(self).outside(self.columns["nums"], self.columns["target"], counts)
         outside_rows = [row for row, outside in enumerate(is_outside) if outside]
-        self.rows += outside_rows * (repeat - 1)
+        repeated = copy.copy(self)
+        repeated.rows = self.rows + outside_rows * (repeat - 1)
         logger.info("%d training questions of %s numbers are outside the 10 best forms; drawn %d times each, they are "
                     "%.0f%% of the %d draws per pass", len(outside_rows), "/".join(map(str, counts)), repeat,
-                    100 * len(outside_rows) * repeat / len(self.rows), len(self.rows))
+                    100 * len(outside_rows) * repeat / len(repeated), len(repeated))
+        return repeated
 
     def __len__(self) -> int:
         return len(self.rows)

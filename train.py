@@ -177,8 +177,8 @@ def train_from(plan: checkpoint.RunPlan) -> dict:
         tokenizer = Tokenizer(run.model_dir)
         train_set, test_set = (tasks.load_dataset(config.task, tokenizer, split) for split in ("train", "test"))
         check_prompts_fit(train_set, config.rollout.max_prompt_len)
-        if config.rollout.outside_forms_repeat > 1:  # CountDown's (config.py checked)
-            train_set.repeat_outside_forms(config.rollout.outside_forms_repeat, config.rollout.outside_forms_numbers)
+        repeated_set = train_set if config.rollout.outside_forms_repeat == 1 else train_set.with_outside_forms_repeated(
+            config.rollout.outside_forms_repeat, config.rollout.outside_forms_numbers)  # CountDown's (config.py checked)
         reward = tasks.get(config.task).reward
         if not plan.lengths_checked:  # a model the bootstrap just built
             config.model.lora.check_width(inputs.read_hf_config(run.model_dir))
@@ -206,7 +206,8 @@ def train_from(plan: checkpoint.RunPlan) -> dict:
     eval_metrics = evaluation(step=0) if config.eval.interval and run.start_step == 0 else {}
 
     def sample_round(step: int, round_index: int) -> list[Episode]:  # this rank's share of a round's questions
-        batch = question_batch(train_set, step, config, round_index)
+        questions = repeated_set if step > config.rollout.outside_forms_repeat_after else train_set
+        batch = question_batch(questions, step, config, round_index)
         return rollout(model, tokenizer, batch, reward, config=config.rollout, generator=generator,
                        progress=run.progress)
 

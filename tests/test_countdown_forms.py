@@ -150,7 +150,7 @@ def test_training_questions_outside_the_top_forms_are_drawn_repeat_times(tmp_pat
         outside = len(numbers) == 3 and not any(solved_by_parser(form, numbers, target) for form in forms)
         expected[tuple(numbers), target] += 3 if outside else 1
     assert 0 < sum(expected.values()) - len(plain) < len(plain)  # some questions, not all, are repeated
-    train = CountdownDataset(tmp_path, tokenizer, test_size=60)
-    train.repeat_outside_forms(3, [3])
+    train = plain.with_outside_forms_repeated(3, [3])
     assert Counter((tuple(train.example(i)["nums"]), train.example(i)["target"]) for i in range(len(train))) == expected
     assert train[len(train) - 1]["prompt_token_ids"] == tokenizer.encode(train.example(len(train) - 1)["prompt"])
+    assert len(plain) == len(plain.columns["target"])  # the dataset it came from is unchanged

@@ -90,10 +90,13 @@ def test_short_run_logs_metrics_and_writes_loadable_checkpoints(tmp_path, tiny_m
         assert (ours(tokens) - initial(tokens)).abs().max() > 1e-4  # training changed the policy
 
 
-def test_resume_equals_uninterrupted_run(tmp_path, tiny_model_dir, countdown_dir, digit_reward):
-    # The eval after the resume samples too, long enough answers to earn different rewards.
+@pytest.mark.parametrize("questions", [[], ["rollout.outside_forms_repeat=20", "rollout.outside_forms_repeat_after=1",
+                                             "rollout.outside_forms_numbers=[3,4]"]], ids=["plain", "repeat_after_1"])
+def test_resume_equals_uninterrupted_run(tmp_path, tiny_model_dir, countdown_dir, digit_reward, questions):
+    # The eval after the resume samples too, long enough answers to earn different rewards. The second case
+    # resumes after the step at which the outside-forms repeat starts.
     sampled_eval = ["eval.temperature=1.0", "eval.num_samples=2", "eval.max_gen_len=16", "eval.max_questions=16",
-                    "task.test_size=16"]
+                    "task.test_size=16", *questions]
     train.train(tiny_config(tmp_path / "full", tiny_model_dir, countdown_dir, "optim.num_steps=4", *sampled_eval))
     train.train(tiny_config(tmp_path / "cut", tiny_model_dir, countdown_dir, "optim.num_steps=2", *sampled_eval))
     resumed_config = tiny_config(tmp_path / "cut", tiny_model_dir, countdown_dir, "optim.num_steps=4", *sampled_eval)
@@ -144,17 +147,34 @@ def test_rewarded_steps_update_and_never_warn(tmp_path, tiny_model_dir, countdow
     assert read_scalars(tmp_path / "logs" / "tiny")["train/update_skipped"] == [(1, 0.0), (2, 0.0)]
 
 
-def test_outside_forms_repeat_reaches_the_training_set(tmp_path, tiny_model_dir, countdown_dir, digit_reward, caplog):
-    """train.py repeats the questions outside the top forms as configured (which ones: test_countdown_forms.py)."""
-    config = tiny_config(tmp_path, tiny_model_dir, countdown_dir, "optim.num_steps=1", "eval.interval=0",
-                         "rollout.outside_forms_repeat=4", "rollout.outside_forms_numbers=[3,4]")
+def asked_questions(tmp_path, model_dir, data_dir, monkeypatch, *overrides) -> list[list[tuple]]:
+    """The questions each step of a 3-step run asks (2 per step, 3 answers each, no evaluation)."""
+    asked = []
+
+    def reward(response, item, end_token):
+        asked.append((tuple(item["nums"]), item["target"]))
+        return {"reward": 0.0, "reward_info": {"format_reward": 0.0, "answer_reward": 0.0}}
+
+    monkeypatch.setattr(countdown_task, "reward", reward)
+    train.train(tiny_config(tmp_path, model_dir, data_dir, "optim.num_steps=3", "eval.interval=0", *overrides))
+    return [sorted(set(asked[step * 6:(step + 1) * 6])) for step in range(3)]
+
+
+def test_outside_forms_repeat_starts_after_the_configured_step(tmp_path, tiny_model_dir, countdown_dir, monkeypatch,
+                                                               caplog):
+    """Steps up to rollout.outside_forms_repeat_after ask what a run without the repeat asks; later steps what a
+    run repeating from the start asks (which questions repeat: test_countdown_forms.py), and they differ."""
+    repeat = ["rollout.outside_forms_repeat=20", "rollout.outside_forms_numbers=[3,4]"]
+    plain = asked_questions(tmp_path / "plain", tiny_model_dir, countdown_dir, monkeypatch)
     with caplog.at_level(logging.INFO):
-        train.train(config)
+        repeated = asked_questions(tmp_path / "repeated", tiny_model_dir, countdown_dir, monkeypatch, *repeat)
+    after_1 = asked_questions(tmp_path / "after_1", tiny_model_dir, countdown_dir, monkeypatch, *repeat,
+                              "rollout.outside_forms_repeat_after=1")
+    assert after_1 == plain[:1] + repeated[1:] and repeated[1:] != plain[1:]
     [line] = [r.getMessage() for r in caplog.records if "outside the 10 best forms" in r.getMessage()]
     outside, draws = int(line.split()[0]), int(line.split(" of the ")[-1].split()[0])
-    assert " of 3/4 numbers " in line and "drawn 4 times each" in line
     training_rows = len(countdown_task.CountdownDataset(countdown_dir, Tokenizer(tiny_model_dir), test_size=4))
-    assert 0 < outside and draws == training_rows + 3 * outside
+    assert " of 3/4 numbers " in line and 0 < outside and draws == training_rows + 19 * outside
 
 
 def test_all_unfinished_episodes_skip_the_update(tmp_path, tiny_model_dir, countdown_dir, caplog):
