@@ -113,19 +113,16 @@ def test_bad_training_value_stops_before_any_work(override, message, tmp_path, c
     assert list(tmp_path.iterdir()) == []
 
 
-def test_try_reward_needs_countdown(tmp_path, capsys):
-    overrides = ["--set", "task.name=gsm8k", "--set", "loss.try_reward_weight=0.2"]
+@pytest.mark.parametrize("override, message", [
+    ("loss.try_reward_weight=0.2", "loss.try_reward_weight: only countdown's reward checks written tries, not gsm8k's; "
+     "set it to 0, got 0.2"),
+    ("rollout.outside_forms_repeat=4", "rollout.outside_forms_repeat: only countdown has answer forms, not gsm8k; set "
+     "it to 1, got 4"),
+])
+def test_countdown_only_keys_are_refused_for_another_task(tmp_path, capsys, override, message):
+    overrides = ["--set", "task.name=gsm8k", "--set", override]
     err = run_main(train.main, ["--config", "configs/cpu_demo.yaml", *isolated_overrides(tmp_path), *overrides], capsys)
-    assert err.startswith("config error: loss.try_reward_weight: only countdown's reward checks written tries, "
-                          "not gsm8k's; set it to 0, got 0.2"), err
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_outside_forms_repeat_needs_countdown(tmp_path, capsys):
-    overrides = ["--set", "task.name=gsm8k", "--set", "rollout.outside_forms_repeat=4"]
-    err = run_main(train.main, ["--config", "configs/cpu_demo.yaml", *isolated_overrides(tmp_path), *overrides], capsys)
-    assert err.startswith("config error: rollout.outside_forms_repeat: only countdown has answer forms, not gsm8k; "
-                          "set it to 1, got 4"), err
+    assert err.startswith(f"config error: {message}"), err
     assert list(tmp_path.iterdir()) == []
 
 
