@@ -124,7 +124,7 @@ SOLVABLE_ROWS_CHECKED = 64
 
 class CountdownDataset(torch.utils.data.Dataset):
     """CountDown tasks; test = the last test_size rows, train = the rows before them minus any that repeat
-    a test question. Item i is row rows[i] of the columns: every row once, unless repeat_outside_forms adds some."""
+    a test question. Item i is row rows[i] of the columns: every row once (with_outside_forms_repeated: some more)."""
 
     def __init__(self, data_dir: str | Path, tokenizer, split: str = "train", *, test_size: int = 128,
                  question_last: bool = False):
