@@ -27,29 +27,30 @@ def set_flags(overrides: list[str]) -> list[str]:
 
 @pytest.mark.slow
 def test_shortened_demo_learns_and_its_checkpoint_evaluates_greedily(tmp_path):
-    """The demo command on a 2-number task with shorter SFT (200 steps) and GRPO (20) phases, with the demo's
-    dynamic sampling and 2 optimizer steps per rollout (1.4 min alone on one core; seed 0: 49.6% -> 61.3%)."""
+    """The demo command on a 2-number task with shorter SFT (300 steps) and GRPO (30) phases, with the demo's
+    dynamic sampling and 2 optimizer steps per rollout (2.1 min alone on one core; seed 0: 48.4% -> 66.8%, a
+    margin kept on purpose: kernels differ between CPUs)."""
     overrides = [
         f"task.data_dir={tmp_path / 'countdown'}", f"model.dir={tmp_path / 'sft-model'}",
         f"bootstrap.data_dir={tmp_path / 'countdown'}", f"bootstrap.model_dir={tmp_path / 'sft-model'}",
         f"logging.log_dir={tmp_path / 'logs'}", f"checkpoint.dir={tmp_path / 'checkpoints'}",
-        "progress=false", "cpu_threads=1", "optim.num_steps=20", "eval.interval=20", "eval.max_questions=128",
+        "progress=false", "cpu_threads=1", "optim.num_steps=30", "eval.interval=30", "eval.max_questions=128",
         "task.test_size=128",
         "bootstrap.dataset_args=--size 12000 --seed 0 --min-numbers 2 --max-numbers 2 --max-number 20 --max-target 40 --with-solutions",
         f"bootstrap.sft_overrides=[model.dir={tmp_path / 'base-model'}, logging.log_dir={tmp_path / 'logs'},"
         f" checkpoint.dir={tmp_path / 'checkpoints'},"
-        " optim.num_steps=200, optim.stop_at_success=null, eval.interval=0, progress=false, cpu_threads=1]",
+        " optim.num_steps=300, optim.stop_at_success=null, eval.interval=0, progress=false, cpu_threads=1]",
     ]
     run_script("train.py", "--config", "configs/cpu_demo.yaml", *set_flags(overrides))
 
     events = EventAccumulator(str(tmp_path / "logs" / "cpu-demo")).Reload()
     success = {event.step: event.value for event in events.Scalars("eval/success_rate")}
-    assert sorted(success) == [0, 20]
+    assert sorted(success) == [0, 30]
     assert success[0] > 0.1, "the SFT warm-up should already solve some held-out questions"
-    assert success[20] > success[0], f"GRPO did not raise held-out success: {success}"
+    assert success[30] > success[0], f"GRPO did not raise held-out success: {success}"
     assert events.Scalars("eval/format_rate")[-1].value > 0.9
 
-    final_checkpoint = tmp_path / "checkpoints" / "cpu-demo" / "step_000020"
+    final_checkpoint = tmp_path / "checkpoints" / "cpu-demo" / "step_000030"
     samples_file = tmp_path / "greedy.jsonl"
     run_script("evaluate.py", "--model", str(final_checkpoint), "--temperature", "0", "--samples", "1", "--out", str(samples_file))
     samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
