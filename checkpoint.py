@@ -19,6 +19,7 @@ What keeps a run's files whole:
   stopped before its first checkpoint are moved aside, into a folder TensorBoard shows beside the new run.
 """
 
+import argparse
 import contextlib
 import errno
 import fcntl
@@ -375,7 +376,7 @@ def check_trainer(stored_config: Path, trainer: str, given: str) -> None:
     if made_by == trainer:
         return
     if made_by == "sft":
-        other = f"train GRPO from the model it wrote with --set model.dir=<its output_dir>, or from a checkpoint of it"
+        other = "train GRPO from the model it wrote with --set model.dir=<its output_dir>, or from a checkpoint of it"
     else:
         other = "fine-tune one of its checkpoints with --set model.dir=<checkpoint.dir>/<run_name>/step_NNNNNN"
     raise CheckpointError(f"--resume {given} is a run of {TRAINER_SCRIPTS[made_by]}, not of "
@@ -419,6 +420,42 @@ def run_directory_of(path) -> Path:
     """The run directory of a checkpoint or run directory given to --resume."""
     path = Path(path)
     return path.parent if path.name.startswith("step_") or (path / TRAINER_STATE).is_file() else path
+
+
+def parse_run_arguments(description: str, default_config: str | None, argv: list[str] | None = None) -> argparse.Namespace:
+    """A trainer's arguments: --config (repeatable), --set, and --resume or --overwrite. Without a default
+    config, --config or --resume must be given."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    default = f"the resumed checkpoint's config.yaml, else {default_config}" if default_config else (
+        "with --resume: the checkpoint's config.yaml")
+    parser.add_argument("--config", action="append",
+                        help=f"YAML config; repeat to merge several in order, later files winning (default: {default})")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
+    parser.add_argument("--resume", help="a checkpoint directory, or a run's checkpoint directory (latest step); "
+                        "the run goes on writing into that run's directory")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start over in a run directory that holds an earlier run's checkpoints and logs (deletes them)")
+    args = parser.parse_args(argv)
+    args.resume = args.resume and config_lib.expand_path(args.resume)  # like every path key: ~ and $VARIABLES
+    if not (args.config or args.resume or default_config):
+        parser.error("pass --config FILE (or --resume a run's checkpoint)")
+    if args.resume and args.overwrite:
+        raise config_lib.ConfigError("--overwrite starts a run over, --resume continues one: pass only one")
+    return args
+
+
+def read_run_command_line(schema: type, trainer: str, description: str, default_config: str | None,
+                          argv: list[str] | None = None) -> tuple[object, argparse.Namespace, Path | None]:
+    """Both trainers' command line, read before torch loads: the config it names (with --resume and no
+    --config, the checkpoint's own), the arguments, and the checkpoint --resume continues from."""
+    args = parse_run_arguments(description, default_config, argv)
+    checkpoint_dir = find(args.resume)
+    # A run that stopped before its first checkpoint has only its run directory's config.yaml: it starts over.
+    stored_config = args.resume and (checkpoint_dir or Path(args.resume)) / RUN_CONFIG
+    if stored_config:
+        check_trainer(stored_config, trainer, args.resume)
+    config = config_lib.load(schema, args.config or [stored_config or default_config], args.set)
+    return config, args, checkpoint_dir
 
 
 def continue_in_resumed_run(config, resume: str | None) -> None:

@@ -4,7 +4,6 @@
     uv run torchrun --nproc_per_node N train.py ...   # data-parallel over N GPUs (see distributed.py)
 """
 
-import argparse
 import functools
 import logging
 from pathlib import Path
@@ -19,31 +18,9 @@ from config import TrainConfig
 # Read and validated before the imports below load torch (seconds): --help and a config error answer at once.
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", action="append", help="YAML config; repeat to merge several in order, later files "
-                        "winning (default: the resumed checkpoint's config.yaml, else config.yaml)")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
-    parser.add_argument("--resume", help="a checkpoint directory, or a run's checkpoint directory (latest step); "
-                        "the run goes on writing into that run's directory")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="start over in a run directory that holds an earlier run's checkpoints and logs (deletes them)")
-    args = parser.parse_args(argv)
-    args.resume = args.resume and config_lib.expand_path(args.resume)  # like every path key: ~ and $VARIABLES
-    return args
-
-
 def read_command_line(argv: list[str] | None = None) -> checkpoint.RunPlan:
     """The run's plan, from the arguments and the config, every input checked that can be before torch loads."""
-    args = parse_args(argv)
-    if args.resume and args.overwrite:
-        raise config_lib.ConfigError("--overwrite starts a run over, --resume continues one: pass only one")
-    checkpoint_dir = checkpoint.find(args.resume)
-    # A run that stopped before its first checkpoint has only its run directory's config.yaml: it starts over.
-    stored_config = args.resume and (checkpoint_dir or Path(args.resume)) / checkpoint.RUN_CONFIG
-    if stored_config:
-        checkpoint.check_trainer(stored_config, "grpo", args.resume)
-    config = config_lib.load(TrainConfig, args.config or [stored_config or "config.yaml"], args.set)
+    config, args, checkpoint_dir = checkpoint.read_run_command_line(TrainConfig, "grpo", __doc__, "config.yaml", argv)
     return plan_run(config, args.resume, args.overwrite, checkpoint_dir)
 
 

@@ -14,7 +14,6 @@ resume from go to <checkpoint.dir>/<run_name>/step_NNNNNN every checkpoint.inter
 the run is stopped by Ctrl-C or SIGTERM.
 """
 
-import argparse
 import functools
 import json
 import logging
@@ -33,25 +32,7 @@ from config import SFTConfig, SFTOptimConfig
 
 def read_command_line(argv: list[str] | None = None) -> checkpoint.RunPlan:
     """The run's plan, from the arguments and the config, every input checked that can be before torch loads."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", action="append", help="YAML config; repeat to merge several in order "
-                        "(default with --resume: the checkpoint's config.yaml)")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
-    parser.add_argument("--resume", help="a checkpoint directory, or a run's checkpoint directory (latest step); "
-                        "the run goes on writing into that run's directory")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="start over in a run directory that holds an earlier run's checkpoints and logs (deletes them)")
-    args = parser.parse_args(argv)
-    args.resume = args.resume and config_lib.expand_path(args.resume)  # like every path key: ~ and $VARIABLES
-    if not (args.config or args.resume):
-        parser.error("pass --config FILE (or --resume a run's checkpoint)")
-    if args.resume and args.overwrite:
-        raise config_lib.ConfigError("--overwrite starts a run over, --resume continues one: pass only one")
-    checkpoint_dir = checkpoint.find(args.resume)
-    stored_config = args.resume and (checkpoint_dir or Path(args.resume)) / checkpoint.RUN_CONFIG
-    if stored_config:
-        checkpoint.check_trainer(stored_config, "sft", args.resume)
-    config = config_lib.load(SFTConfig, args.config or [stored_config], args.set)
+    config, args, checkpoint_dir = checkpoint.read_run_command_line(SFTConfig, "sft", __doc__, None, argv)
     return plan_run(config, args.resume, args.overwrite, checkpoint_dir)
 
 

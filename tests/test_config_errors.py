@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 import ablate
+import checkpoint
 import config as config_lib
-import evaluate
 import train
 import train_sft
 
@@ -198,7 +198,7 @@ def test_config_files_merge_in_order_later_files_winning(tmp_path):
     (tmp_path / "b.yaml").write_text("optim:\n  num_steps: 7\n")
     config = config_lib.load(train.TrainConfig, [tmp_path / "a.yaml", tmp_path / "b.yaml"], ["seed=2"])
     assert (config.seed, config.optim.num_steps, config.optim.learning_rate) == (2, 7, 0.5)
-    assert train.parse_args(["--config", "a.yaml", "--config", "b.yaml"]).config == ["a.yaml", "b.yaml"]
+    assert checkpoint.parse_run_arguments("", None, ["--config", "a.yaml", "--config", "b.yaml"]).config == ["a.yaml", "b.yaml"]
 
 
 # Every config the repository ships, with the configs its header merges it on top of (in order).
