@@ -206,7 +206,7 @@ BEFORE_TORCH = [
     ("demo warm-up unfit for the task", None,  # the demo's SFT writes CountDown's search responses
      lambda p: ["train.py", "--config", "configs/cpu_demo.yaml", *train_args(p, f"model.dir={p.tmp / 'sft'}",
                 f"bootstrap.model_dir={p.tmp / 'sft'}", "task.name=tests.fixtures.tasks.no_sft_response",
-                "rollout.outside_forms_repeat=1")[1:]],
+                "loss.try_reward_weight=0")[1:]],
      "config error: bootstrap.sft_config: the warm-up configs/cpu_demo_sft.yaml on task.name "
      "'tests.fixtures.tasks.no_sft_response': data.response: 'search' is a CountDown response; task.name "
      "'tests.fixtures.tasks.no_sft_response' has 'solution' only, got 'search'; change the warm-up with "
