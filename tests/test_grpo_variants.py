@@ -612,7 +612,7 @@ def test_plain_grpo_is_every_default():
 
 @pytest.mark.parametrize("base", BASES)
 def test_every_preset_states_its_whole_algorithm_and_means_it_over_any_base(base, tmp_path):
-    """A base config's own algorithm (the CPU demo's KL, clip-higher, 6 dynamic-sampling rounds, 2 epochs) must
+    """A base config's own algorithm (the CPU demo's KL, try reward, clip-higher, 6 sampling rounds, 2 epochs) must
     not leak into a preset: merged over any base, each resolves to exactly its document row."""
     experiments = {e.name: e for e in ablate.load_experiments(VARIANTS, REPO_ROOT / base, [], tmp_path)}
     assert sorted(experiments) == sorted(PRESETS)
@@ -629,7 +629,7 @@ def test_every_preset_states_its_whole_algorithm_and_means_it_over_any_base(base
         assert experiments["grpo"].differences == {
             "rollout.dynamic_sampling": False, "rollout.dynamic_sampling_max_rounds": 3,
             "rollout.dynamic_sampling_questions_per_round": None, "loss.epochs_per_rollout": 1,
-            "loss.clip": "none", "loss.clip_range_high": None, "loss.kl_beta": 0.0}
+            "loss.clip": "none", "loss.clip_range_high": None, "loss.kl_beta": 0.0, "loss.try_reward_weight": 0.0}
 
 
 def changed_weights(before, after) -> list[str]:
