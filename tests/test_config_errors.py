@@ -120,7 +120,8 @@ def test_bad_training_value_stops_before_any_work(override, message, tmp_path, c
      "it to 1, got 4"),
 ])
 def test_countdown_only_keys_are_refused_for_another_task(tmp_path, capsys, override, message):
-    overrides = ["--set", "task.name=gsm8k", "--set", override]
+    # the demo's own try reward off, so that the key under test is the only CountDown one (a later --set wins)
+    overrides = ["--set", "task.name=gsm8k", "--set", "loss.try_reward_weight=0", "--set", override]
     err = run_main(train.main, ["--config", "configs/cpu_demo.yaml", *isolated_overrides(tmp_path), *overrides], capsys)
     assert err.startswith(f"config error: {message}"), err
     assert list(tmp_path.iterdir()) == []
