@@ -606,12 +606,18 @@ class SFTDataConfig:
     # left out of training: countdown_task.sft_full_search_response).
     response: Literal["solution", "search", "full_search"] = "solution"
     search_max_tries: int = 6  # full_search: 3-number questions take ~2 tries on average, 4-number ones ~20
+    # search: as many failed tries as fit in this many response tokens (the end token included, as
+    # max_gen_len counts), in the search's order; null: the first two (countdown_task.SEARCH_DEAD_ENDS)
+    search_max_tokens: int | None = None
 
     def validate(self) -> None:
         paths(self, "train_jsonl", "eval_jsonl")
         at_least(self, "eval_size", 1)
         at_least(self, "max_seq_len", 2)
         within(self, "search_max_tries", 1, 1000)
+        check(self.search_max_tokens is None or self.response == "search", "search_max_tokens",
+              "is read by data.response: search only; remove it or set that", self.search_max_tokens)
+        within(self, "search_max_tokens", 1, self.max_seq_len)
 
 
 @dataclass

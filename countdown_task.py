@@ -459,15 +459,23 @@ def integer_steps_search(nodes: list[Node], target: int) -> Node | None:
 SEARCH_DEAD_ENDS = 2  # failed tries a search response writes at most: 4-number tries are ~30 tokens each
 
 
-def sft_search_response(item: dict, max_dead_ends: int = SEARCH_DEAD_ENDS) -> str:
+def sft_search_response(item: dict, max_dead_ends: int = SEARCH_DEAD_ENDS, fits=None) -> str:
     """A reference response for SFT that searches (Stream-of-Search's lesson: a model trained on search traces
     learns to search, one trained on solutions only to guess a path): the first max_dead_ends failed tries of
     search_tries, then the solution it finds, each try with its steps, the failed ones ending "(not TARGET)".
+    With `fits` (a test of the response text, e.g. a token budget) as many failed tries as fit instead, so a
+    search that needs few tries is written whole, whatever the number count.
     ` 44 + 35 = 79, 79 - 19 = 60 (not 98); 44 + 19 = 63, 63 + 35 = 98 </think>\n<answer> 44 + 19 + 35 </answer>`"""
     tries = search_tries(item["nums"], item["target"])
     if tries[-1][0] != item["target"]:
         raise ValueError(f"{item['nums']} -> {item['target']} has no solution with integer steps")
-    return search_response(tries[: min(len(tries) - 1, max_dead_ends)] + tries[-1:], item["target"])
+    dead_ends, solution = tries[:-1], tries[-1:]
+    if fits is None:
+        return search_response(dead_ends[:max_dead_ends] + solution, item["target"])
+    count = 0  # the responses grow with each failed try: stop at the first that does not fit
+    while count < len(dead_ends) and fits(search_response(dead_ends[: count + 1] + solution, item["target"])):
+        count += 1
+    return search_response(dead_ends[:count] + solution, item["target"])
 
 
 def sft_full_search_response(item: dict, max_tries: int) -> str | None:

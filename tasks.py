@@ -70,6 +70,10 @@ def sft_pairs(config: TaskConfig, tokenizer, data: SFTDataConfig | None = None) 
     module = get(config)
     if response == "full_search":
         write = functools.partial(module.sft_full_search_response, max_tries=data.search_max_tries)
+    elif response == "search" and data.search_max_tokens:
+        def fits(text: str) -> bool:
+            return len(tokenizer.encode(text)) + 1 <= data.search_max_tokens  # + the end token
+        write = functools.partial(module.sft_search_response, fits=fits)
     else:
         write = getattr(module, "sft_search_response" if response == "search" else "sft_response", None)
     if write is None:  # a module of yours, warmed up by bootstrap (train_sft.py's own config check says it first)

@@ -161,6 +161,10 @@ def test_prompt_limit_no_prompt_fits_is_refused_before_the_bootstrap_works(tmp_p
     ("optim.min_learning_rate_ratio=.inf", "optim.min_learning_rate_ratio: must be a finite number, got inf"),
     ("data.response=trace", "data.response: 'trace' is not allowed; use one of 'solution', 'search', 'full_search'"),
     ("data.search_max_tries=0", "data.search_max_tries: must be in [1, 1000], got 0"),
+    ("data.search_max_tokens=0", "data.search_max_tokens: must be in [1, 512], got 0"),  # max_seq_len 512
+    ("data.search_max_tokens=600", "data.search_max_tokens: must be in [1, 512], got 600"),
+    ("data.response=full_search data.search_max_tokens=160", "data.search_max_tokens: is read by data.response: "
+     "search only; remove it or set that, got 160"),
     ("task.name=gsm8k data.response=full_search", "data.response: 'full_search' is a CountDown response"),
     ("task.name=gsm8k data.response=search", "data.response: 'search' is a CountDown response; task.name 'gsm8k' "
      "has 'solution' only, got 'search'"),

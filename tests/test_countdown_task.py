@@ -594,9 +594,15 @@ def test_full_search_response_by_hand():
         "7 + 5 = 12, 12 * 3 = 36 </think>\n<answer> (7 + 5) * 3 </answer>")
     assert countdown_task.sft_full_search_response(item, max_tries=3) is None
     # The capped search response jumps from its second dead end to the solution instead.
-    assert countdown_task.sft_search_response(item) == (
-        " 7 * 5 = 35, 35 + 3 = 38 (not 36); 7 * 3 = 21, 21 + 5 = 26 (not 36); 7 + 5 = 12, 12 * 3 = 36 </think>\n"
-        "<answer> (7 + 5) * 3 </answer>")
+    two_dead_ends = (" 7 * 5 = 35, 35 + 3 = 38 (not 36); 7 * 3 = 21, 21 + 5 = 26 (not 36); 7 + 5 = 12, 12 * 3 = 36 "
+                     "</think>\n<answer> (7 + 5) * 3 </answer>")
+    assert countdown_task.sft_search_response(item) == two_dead_ends
+    # With a budget instead of a count: as many dead ends as fit, the whole search when it all fits.
+    whole = countdown_task.sft_full_search_response(item, max_tries=4)
+    assert countdown_task.sft_search_response(item, fits=lambda text: True) == whole
+    assert countdown_task.sft_search_response(item, fits=lambda text: len(text) < len(whole)) == two_dead_ends
+    assert countdown_task.sft_search_response(item, fits=lambda text: False) == (
+        " 7 + 5 = 12, 12 * 3 = 36 </think>\n<answer> (7 + 5) * 3 </answer>")
 
 
 def last_step_values(big: int, small: int) -> list[int]:

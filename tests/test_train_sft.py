@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -139,6 +140,30 @@ def test_full_search_leaves_out_unsolved_questions_after_holding_out_by_row(tmp_
     with pytest.raises(config_lib.ConfigError, match=r"^data.search_max_tries: the search solves none of these "
                        r"questions within that many tries: raise it, got 1$"):
         train_sft.with_responses([{"prompt": "p", "response": None}], config)
+
+
+def test_search_within_a_token_budget_writes_as_many_dead_ends_as_fit(tmp_path, tiny_model_dir,
+                                                                     countdown_with_solutions):
+    budget = 110  # this tokenizer: ~31 tokens a 3-number try; 0 to 2 dead ends fit
+    config = sft_config(tmp_path, tiny_model_dir, countdown_with_solutions, "data.response=search",
+                        f"data.search_max_tokens={budget}")
+    tokenizer = Tokenizer(tiny_model_dir)
+    train_set = tasks.load_dataset(config.task, tokenizer, "train")
+    pairs = tasks.sft_pairs(config.task, tokenizer, config.data)
+    dead_end_counts = Counter()
+    for index, pair in enumerate(pairs):
+        item = train_set.example(index)
+        target, tries = item["target"], countdown_task.search_tries(item["nums"], item["target"])
+        written = pair["response"].split(" </think>")[0].strip().split("; ")
+        dead_ends = len(written) - 1
+        assert [attempt.endswith(f"(not {target})") for attempt in written] == [True] * dead_ends + [False]
+        tokens = len(tokenizer.encode(pair["response"])) + 1  # + the end token, as generation counts it
+        assert tokens <= budget or dead_ends == 0
+        if dead_ends < len(tries) - 1:  # one more of the search's dead ends would not have fitted
+            longer = countdown_task.sft_search_response(item, max_dead_ends=dead_ends + 1)
+            assert len(tokenizer.encode(longer)) + 1 > budget
+        dead_end_counts[min(dead_ends, 3)] += 1
+    assert len(dead_end_counts) >= 3  # the budget, not a fixed count, decides
 
 
 @pytest.mark.parametrize("stop_at_success, expected_steps", [(0.5, 4), (None, 12)])
