@@ -328,7 +328,7 @@ def load_trainer_state(checkpoint_dir) -> dict:
 # The keys that make a run what it is: a checkpoint continues only a start that agrees on all of them.
 IDENTITY_KEYS = {"grpo": ("model.dir", "model.lora", "task.name", "task.data_dir", "seed"),
                  "sft": ("model.dir", "model.lora", "task.name", "task.data_dir", "data.train_jsonl", "data.response",
-                         "data.search_max_tries", "seed")}
+                         "data.search_max_tries", "data.search_max_tokens", "seed")}
 TRAINER_SCRIPTS = {"grpo": "train.py", "sft": "train_sft.py"}
 HUB_SNAPSHOT = re.compile(r"(?:models|datasets)--([^/]+)--([^/]+)/snapshots/[^/]+/?$")
 

@@ -163,6 +163,10 @@ BEFORE_TORCH = [
      lambda p: [*train_args(p, f"model.dir={p.tmp / 'other'}"), "--resume", str(p.tmp / "checkpoints" / "r")],
      "run directory error: --resume {tmp}/checkpoints/r: {tmp}/checkpoints/r/step_000002 was made by another run than "
      "this start asks for: model.dir '{tmp}/other' (the run's: '{model}')"),
+    ("--resume of an SFT run with another search budget", sft_run,
+     lambda p: [*sft_args(p, "run_name=s", "data.search_max_tokens=160"), "--resume", str(p.tmp / "checkpoints" / "s")],
+     "run directory error: --resume {tmp}/checkpoints/s: {tmp}/checkpoints/s/step_000001 was made by another run than "
+     "this start asks for: data.search_max_tokens 160 (the run's: None)"),
     ("model.dir a run directory", grpo_run, lambda p: train_args(p, f"model.dir={p.tmp / 'checkpoints' / 'r'}"),
      "missing input: model.dir: {tmp}/checkpoints/r is the directory of the run 'r', not a model: pass one of its "
      "checkpoints, e.g. its newest, {tmp}/checkpoints/r/step_000002\n"),
