@@ -772,16 +772,16 @@ def build(schema: type[Config], values: dict | None, prefix: str = "") -> Config
         where = f"section '{prefix}'" if prefix else "the top level"
         raise ConfigError(f"unknown key '{_join(prefix, unknown[0])}' in {where}; valid keys: {', '.join(names)}")
     kwargs = {}
-    for field in dataclasses.fields(schema):
-        key = _join(prefix, field.name)
-        if field.name in values:
-            value = values[field.name]
-            if field.default_factory is not dataclasses.MISSING and isinstance(value, dict):
+    for schema_field in dataclasses.fields(schema):
+        key = _join(prefix, schema_field.name)
+        if schema_field.name in values:
+            value = values[schema_field.name]
+            if schema_field.default_factory is not dataclasses.MISSING and isinstance(value, dict):
                 # A section given in part keeps its own defaults for the rest: EvaluateConfig's float32 model,
                 # SFTConfig's eval lengths (a default_factory's, not the section class's).
-                value = merge(to_dict(field.default_factory()), value)
-            kwargs[field.name] = _coerce(value, hints[field.name], key)
-        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+                value = merge(to_dict(schema_field.default_factory()), value)
+            kwargs[schema_field.name] = _coerce(value, hints[schema_field.name], key)
+        elif schema_field.default is dataclasses.MISSING and schema_field.default_factory is dataclasses.MISSING:
             raise ConfigError(f"missing required key '{key}'")
     config = schema(**kwargs)
     if hasattr(config, "validate"):
