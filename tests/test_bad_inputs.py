@@ -10,8 +10,6 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 
