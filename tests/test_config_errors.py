@@ -209,7 +209,7 @@ def test_config_files_merge_in_order_later_files_winning(tmp_path):
 SHIPPED_GRPO = {
     "config.yaml": [], "config_24GB.yaml": [], "configs/cpu_demo.yaml": [], "configs/gsm8k.yaml": [],
     "configs/smollm2_cpu.yaml": [], "configs/lora.yaml": ["config_24GB.yaml"],
-    "configs/sum_task.yaml": ["configs/cpu_demo.yaml"],
+    "configs/sum_task.yaml": ["configs/cpu_demo.yaml"], "configs/cpu_demo_long_search.yaml": ["configs/cpu_demo.yaml"],
     "configs/smollm2_cpu_search.yaml": ["configs/smollm2_cpu.yaml"],
     "configs/smollm2_cpu_search_kl.yaml": ["configs/smollm2_cpu.yaml", "configs/smollm2_cpu_search.yaml"],
 }
