@@ -19,6 +19,7 @@ import random
 import re
 import string
 from collections import Counter
+from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 
@@ -459,7 +460,8 @@ def integer_steps_search(nodes: list[Node], target: int) -> Node | None:
 SEARCH_DEAD_ENDS = 2  # failed tries a search response writes at most: 4-number tries are ~30 tokens each
 
 
-def sft_search_response(item: dict, max_dead_ends: int = SEARCH_DEAD_ENDS, fits=None) -> str:
+def sft_search_response(item: dict, max_dead_ends: int = SEARCH_DEAD_ENDS,
+                        fits: Callable[[str], bool] | None = None) -> str:
     """A reference response for SFT that searches (Stream-of-Search's lesson: a model trained on search traces
     learns to search, one trained on solutions only to guess a path): the first max_dead_ends failed tries of
     search_tries, then the solution it finds, each try with its steps, the failed ones ending "(not TARGET)".

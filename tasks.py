@@ -61,7 +61,8 @@ def sft_pairs(config: TaskConfig, tokenizer, data: SFTDataConfig | None = None) 
     """{"prompt", "response"} pairs from the task's training split and its reference responses (as text:
     train_sft tokenizes them all at once), one per row in order: its solutions, or (data.response "search" or
     "full_search", CountDown) the search traces its exact solver writes, which need no solution column. A
-    full search's response is None where the search needs more than data.search_max_tries tries."""
+    full search's response is None where the search needs more than data.search_max_tries tries; a search
+    within data.search_max_tokens is measured in this tokenizer's tokens."""
     response = data.response if data else "solution"
     dataset = load_dataset(config, tokenizer, "train")
     if response == "solution" and config.name == "countdown" and "solution" not in dataset.example(0):
