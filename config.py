@@ -324,6 +324,10 @@ class RolloutConfig:
     outside_forms_repeat: int = 1
     outside_forms_numbers: list[int] = field(default_factory=lambda: [3])
     outside_forms_repeat_after: int = 0  # steps 1..N draw every question once; the repeat starts at step N+1
+    # countdown: GRPO asks only the training questions with these many numbers (null: all). The demo's warm-up
+    # keeps 2-number questions as the steps of a longer search; GRPO need not spend groups on them. The
+    # held-out questions and the shortcut baseline's forms are not affected.
+    train_number_counts: list[int] | None = None
 
     def validate(self) -> None:
         for name in ("episodes_per_step", "num_answers_per_question", "max_prompt_len", "max_gen_len",
@@ -334,6 +338,9 @@ class RolloutConfig:
         check(bool(self.outside_forms_numbers) and set(self.outside_forms_numbers) <= set(FORM_NUMBER_COUNTS),
               "outside_forms_numbers", f"must be number counts among {list(FORM_NUMBER_COUNTS)}",
               self.outside_forms_numbers)
+        check(self.train_number_counts is None or (bool(self.train_number_counts) and min(self.train_number_counts) >= 1),
+              "train_number_counts", "must be null (every question) or a non-empty list of number counts >= 1",
+              self.train_number_counts)
         check(self.max_decode_rows is None or self.max_decode_rows >= self.num_answers_per_question,
               "max_decode_rows", f"must be >= num_answers_per_question ({self.num_answers_per_question}): a "
               "question's answers decode together, on its prompt's cache", self.max_decode_rows)
@@ -567,6 +574,9 @@ class TrainConfig:
                               f"split evenly over {world_size()} ranks")
         check(rollout.outside_forms_repeat == 1 or self.task.name == "countdown", "rollout.outside_forms_repeat",
               f"only countdown has answer forms, not {self.task.name}; set it to 1", rollout.outside_forms_repeat)
+        check(rollout.train_number_counts is None or self.task.name == "countdown", "rollout.train_number_counts",
+              f"only countdown's questions have a number count, not {self.task.name}'s; set it to null",
+              rollout.train_number_counts)
         check(not self.loss.try_reward_weight or self.task.name == "countdown", "loss.try_reward_weight",
               f"only countdown's reward checks written tries, not {self.task.name}'s; set it to 0",
               self.loss.try_reward_weight)

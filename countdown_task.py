@@ -168,11 +168,24 @@ class CountdownDataset(torch.utils.data.Dataset):
         if num_left_out := keep.count(False):
             logger.info("left out %d training rows that repeat a held-out question", num_left_out)
 
+    def with_number_counts(self, counts: list[int]) -> "CountdownDataset":
+        """This dataset with only its questions of these number counts (rollout.train_number_counts)."""
+        numbers = self.columns["nums"]
+        kept = copy.copy(self)
+        kept.rows = [row for row in self.rows if len(numbers[row]) in counts]
+        if not kept.rows:
+            present = sorted({len(numbers[row]) for row in self.rows})
+            raise DataError(f"rollout.train_number_counts {counts}: no training question has that many numbers (these "
+                            f"have {'/'.join(map(str, present))}); pick counts the data has, or null for every question")
+        logger.info("GRPO asks the %d of %d training questions with %s numbers", len(kept.rows), len(self.rows),
+                    "/".join(map(str, counts)))
+        return kept
+
     def with_outside_forms_repeated(self, repeat: int, counts: list[int]) -> "CountdownDataset":
-        """This dataset with each question of these number counts that none of the 10 best forms (fitted on these
-        rows, as shortcut_baseline's) solves drawn `repeat` times per pass (rollout.outside_forms_repeat)."""
+        """This dataset with each of its questions of these number counts that none of the 10 best forms (fitted on
+        all its rows, as shortcut_baseline's) solves drawn `repeat` times per pass (rollout.outside_forms_repeat)."""
         is_outside = shortcut_baseline(self).outside(self.columns["nums"], self.columns["target"], counts)
-        outside_rows = [row for row, outside in enumerate(is_outside) if outside]
+        outside_rows = [row for row in self.rows if is_outside[row]]
         repeated = copy.copy(self)
         repeated.rows = self.rows + outside_rows * (repeat - 1)
         logger.info("%d training questions of %s numbers are outside the 10 best forms; drawn %d times each, they are "

@@ -154,8 +154,11 @@ def train_from(plan: checkpoint.RunPlan) -> dict:
         tokenizer = Tokenizer(run.model_dir)
         train_set, test_set = (tasks.load_dataset(config.task, tokenizer, split) for split in ("train", "test"))
         check_prompts_fit(train_set, config.rollout.max_prompt_len)
-        repeated_set = train_set if config.rollout.outside_forms_repeat == 1 else train_set.with_outside_forms_repeated(
-            config.rollout.outside_forms_repeat, config.rollout.outside_forms_numbers)  # CountDown's (config.py checked)
+        # CountDown's (config.py checked): the questions GRPO asks, then those it asks more often
+        asked_set = train_set if config.rollout.train_number_counts is None else train_set.with_number_counts(
+            config.rollout.train_number_counts)
+        repeated_set = asked_set if config.rollout.outside_forms_repeat == 1 else asked_set.with_outside_forms_repeated(
+            config.rollout.outside_forms_repeat, config.rollout.outside_forms_numbers)
         reward = tasks.get(config.task).reward
         if not plan.lengths_checked:  # a model the bootstrap just built
             config.model.lora.check_width(inputs.read_hf_config(run.model_dir))
@@ -183,7 +186,7 @@ def train_from(plan: checkpoint.RunPlan) -> dict:
     eval_metrics = evaluation(step=0) if config.eval.interval and run.start_step == 0 else {}
 
     def sample_round(step: int, round_index: int) -> list[Episode]:  # this rank's share of a round's questions
-        questions = repeated_set if step > config.rollout.outside_forms_repeat_after else train_set
+        questions = repeated_set if step > config.rollout.outside_forms_repeat_after else asked_set
         batch = question_batch(questions, step, config, round_index)
         return rollout(model, tokenizer, batch, reward, config=config.rollout, generator=generator,
                        progress=run.progress)

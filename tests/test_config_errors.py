@@ -64,6 +64,10 @@ BAD_TRAIN_VALUES = [
     ("rollout.outside_forms_numbers=[3,5]", "rollout.outside_forms_numbers: must be number counts among [2, 3, 4], "
      "got [3, 5]"),
     ("rollout.outside_forms_numbers=[]", "rollout.outside_forms_numbers: must be number counts among [2, 3, 4], got []"),
+    ("rollout.train_number_counts=[]", "rollout.train_number_counts: must be null (every question) or a non-empty list "
+     "of number counts >= 1, got []"),
+    ("rollout.train_number_counts=[0,3]", "rollout.train_number_counts: must be null (every question) or a non-empty "
+     "list of number counts >= 1, got [0, 3]"),
     ("task.data_dir=''", "task.data_dir: must be a non-empty path"),
     ("model.dir=''", "model.dir: must be a non-empty path"),
     ("cpu_threads=0", "cpu_threads: must be in [1, 1024], got 0"),
@@ -118,6 +122,8 @@ def test_bad_training_value_stops_before_any_work(override, message, tmp_path, c
      "set it to 0, got 0.2"),
     ("rollout.outside_forms_repeat=4", "rollout.outside_forms_repeat: only countdown has answer forms, not gsm8k; set "
      "it to 1, got 4"),
+    ("rollout.train_number_counts=[3]", "rollout.train_number_counts: only countdown's questions have a number count, "
+     "not gsm8k's; set it to null, got [3]"),
 ])
 def test_countdown_only_keys_are_refused_for_another_task(tmp_path, capsys, override, message):
     # the demo's own try reward off, so that the key under test is the only CountDown one (a later --set wins)

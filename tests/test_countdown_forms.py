@@ -154,3 +154,9 @@ def test_training_questions_outside_the_top_forms_are_drawn_repeat_times(tmp_pat
     assert Counter((tuple(train.example(i)["nums"]), train.example(i)["target"]) for i in range(len(train))) == expected
     assert train[len(train) - 1]["prompt_token_ids"] == tokenizer.encode(train.example(len(train) - 1)["prompt"])
     assert len(plain) == len(plain.columns["target"])  # the dataset it came from is unchanged
+    # with rollout.train_number_counts, only the questions asked repeat
+    three = plain.with_number_counts([3]).with_outside_forms_repeated(3, [3])
+    assert Counter((tuple(three.example(i)["nums"]), three.example(i)["target"]) for i in range(len(three))) == Counter(
+        {question: draws for question, draws in expected.items() if len(question[0]) == 3})
+    no_three = plain.with_number_counts([2, 4]).with_outside_forms_repeated(3, [3])
+    assert no_three.rows == [row for row in plain.rows if len(plain.columns["nums"][row]) != 3]

@@ -506,6 +506,23 @@ def test_dataset_reads_parquet_files_in_sorted_order(tmp_path, tokenizer):
     assert CountdownDataset(tmp_path, tokenizer, split="test", test_size=1)[0]["target"] == 2
 
 
+def test_training_questions_filtered_by_number_count(tmp_path, tokenizer):
+    """rollout.train_number_counts: the questions of those counts, in their order; counts the data lacks are refused
+    with the counts it has."""
+    (tmp_path / "data").mkdir()
+    rows = {"nums": [[1, 2], [1, 2, 3], [4, 5, 6, 7], [3, 4], [2, 3, 4], [5, 6]], "target": [3, 6, 22, 7, 9, 11]}
+    pq.write_table(pa.table(rows), tmp_path / "data" / "train-00000-of-00001.parquet")
+    train = CountdownDataset(tmp_path, tokenizer, split="train", test_size=1)
+    three = train.with_number_counts([3])
+    assert [(three[i]["nums"], three[i]["target"]) for i in range(len(three))] == [([1, 2, 3], 6), ([2, 3, 4], 9)]
+    two_or_four = train.with_number_counts([4, 2])
+    assert [two_or_four[i]["nums"] for i in range(len(two_or_four))] == [[1, 2], [4, 5, 6, 7], [3, 4]]
+    assert len(train) == 5  # the dataset it came from is unchanged
+    with pytest.raises(DataError, match=r"train_number_counts \[5\]: no training question has that many numbers "
+                                        r"\(these have 2/3/4\)"):
+        train.with_number_counts([5])
+
+
 def test_training_rows_never_repeat_a_held_out_question(tmp_path, tokenizer, caplog):
     """Same numbers in any order and the same target is the same question: it stays in the test split only."""
     (tmp_path / "data").mkdir()

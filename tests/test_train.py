@@ -11,6 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from transformers import AutoModelForCausalLM
 
 import config as config_lib
+from config import DataError
 import countdown_task
 import train
 from qwen2_model import Transformer
@@ -175,6 +176,18 @@ def test_outside_forms_repeat_starts_after_the_configured_step(tmp_path, tiny_mo
     outside, draws = int(line.split()[0]), int(line.split(" of the ")[-1].split()[0])
     training_rows = len(countdown_task.CountdownDataset(countdown_dir, Tokenizer(tiny_model_dir), test_size=4))
     assert " of 3/4 numbers " in line and 0 < outside and draws == training_rows + 19 * outside
+
+
+def test_grpo_asks_only_the_configured_number_counts(tmp_path, tiny_model_dir, countdown_dir, monkeypatch):
+    """rollout.train_number_counts=[4]: every question asked has 4 numbers (a plain run asks some with 3), also with
+    a repeat of the 3-number questions outside the best forms; counts the data lacks stop the run before a step."""
+    plain = asked_questions(tmp_path / "plain", tiny_model_dir, countdown_dir, monkeypatch)
+    assert {len(numbers) for step in plain for numbers, _ in step} == {3, 4}
+    four = asked_questions(tmp_path / "four", tiny_model_dir, countdown_dir, monkeypatch,
+                           "rollout.train_number_counts=[4]", "rollout.outside_forms_repeat=20")
+    assert all(len(numbers) == 4 for step in four for numbers, _ in step)
+    with pytest.raises(DataError, match=r"train_number_counts \[2\]: no training question has that many numbers"):
+        train.train(tiny_config(tmp_path / "two", tiny_model_dir, countdown_dir, "rollout.train_number_counts=[2]"))
 
 
 def test_all_unfinished_episodes_skip_the_update(tmp_path, tiny_model_dir, countdown_dir, caplog):
