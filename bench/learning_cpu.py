@@ -44,6 +44,7 @@ import tiny_model  # noqa: E402
 import train  # noqa: E402
 from evaluate import EvalConfig, evaluate  # noqa: E402
 from bench.plot_curves import plot_success_curves, success_curve  # noqa: E402
+from bench.report import machine  # noqa: E402
 from run_logging import log_to_console  # noqa: E402
 from runtime import load_model, resolve_device, set_up_cpu  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
@@ -309,8 +310,8 @@ def main() -> None:
 
     results = run_seeds(args, range(args.first_seed, args.first_seed + args.seeds), cache_dir, out)
     report = {"config": args.config, "overlay": args.overlay, "set": args.set, "bar": BAR,
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu_count": os.cpu_count(), "jobs": args.jobs,
-              "torch": torch.__version__, "seeds": results,
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(), "jobs": args.jobs,
+              "seeds": results,
               "bar_met_on_every_seed": all(all(meets_bar(r).values()) for r in results)}
     table = markdown_table(results)
     json_text = json.dumps(report, indent=2) + "\n"

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also run as a file: uv run bench/matmul_dtype.py
 
-from bench.report import emit_json  # noqa: E402
+from bench.report import emit_json, machine  # noqa: E402
 
 SHAPES = {"attention q/o 576x576": (576, 576), "MLP up 576x1536": (576, 1536), "MLP down 1536x576": (1536, 576),
           "vocabulary 576x49152": (576, 49152)}
@@ -41,7 +41,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
     rates = {shape: {name: [] for name in DTYPES} for shape in SHAPES}
     for _ in range(args.rounds):  # the dtypes alternate, so a drift of the machine hits both
         for shape, (inner, outer) in SHAPES.items():
@@ -55,9 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{shape:<24} {fp32['median']:>8.0f} ({fp32['min']:.0f}-{fp32['max']:.0f}) "
               f"{bf16['median']:>10.0f} ({bf16['min']:.0f}-{bf16['max']:.0f}) {bf16['median'] / fp32['median']:>11.2f}x",
               file=sys.stderr)
-    report = {"rows": args.rows, "threads": args.threads, "rounds": args.rounds, "torch": torch.__version__,
-              "cpu_flags": sorted({flag for flag in flags if flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")}),
-              "gflops": table}
+    report = {"rows": args.rows, "threads": args.threads, "rounds": args.rounds, "machine": machine(), "gflops": table}
     emit_json(report, args.json_out)
     return report
 

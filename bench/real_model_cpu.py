@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import config as config_lib  # noqa: E402
+from bench.report import machine  # noqa: E402
 from config import TrainConfig  # noqa: E402
 from countdown_task import CountdownDataset, shortcut_baseline, try_reward  # noqa: E402
 
@@ -287,7 +288,7 @@ def main() -> None:
         print(markdown_table([row for row in results if row["seed"] == seed]), flush=True)
         if args.out:  # after every seed: a run stopped later keeps the seeds it finished
             report = {"model": args.model, "config": args.config, "threads": args.threads,
-                      "cpu_count": os.cpu_count(), "bar": BAR, "variants": variants, "date": f"{started} to {time.strftime('%H:%M UTC', time.gmtime())}",
+                      "machine": machine(), "bar": BAR, "variants": variants, "date": f"{started} to {time.strftime('%H:%M UTC', time.gmtime())}",
                       "seeds": results, **({"reused": {"file": args.reuse, "date": earlier["date"]}} if earlier else {}),
                       "bar_met_on_every_seed": all(meets_bar(result) for result in results)}
             Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

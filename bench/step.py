@@ -256,6 +256,7 @@ def main() -> None:
         return child(args)
     sys.path.insert(0, str(REPO))
     import config as config_lib
+    from bench.report import machine
     from config import TrainConfig
 
     threads = config_lib.load(TrainConfig, [str(REPO / args.config)], args.set).cpu_threads
@@ -281,7 +282,7 @@ def main() -> None:
         result["fraction_of_limit"] = result["gflops_per_step"] / result["step_seconds"] / limit
     report = {"config": args.config, "overrides": args.set, "threads": threads, "steps": args.steps,
               "rounds": args.rounds, "matmul_limit_gflops": limit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "results": results}
+              "machine": machine(), "results": results}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(table(results, limit))

@@ -307,6 +307,12 @@ def test_a_resume_maps_the_trainer_state_instead_of_holding_a_second_copy(capsys
 
 def test_the_matmul_bench_reports_both_dtypes_at_every_shape(capsys):
     report = matmul_dtype.main(["--rows", "4", "--rounds", "1", "--threads", "1"])
+    # the machine, read apart from report.machine: the flags /proc/cpuinfo lists, the kernels torch picked
+    cpuinfo = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    assert report["machine"]["cpu_flags"] == sorted({flag for flag in cpuinfo if flag in ("avx2", "avx512f",
+                                                                                          "avx512_bf16", "amx_bf16")})
+    assert report["machine"]["torch_cpu_capability"] in ("DEFAULT", "AVX2", "AVX512", "AVX512_BF16", "AMX", "ZVECTOR",
+                                                          "VSX", "SVE256", "SVE")
     assert set(report["gflops"]) == set(matmul_dtype.SHAPES)
     assert all(set(by_dtype) == {"float32", "bfloat16"} and by_dtype["float32"]["median"] > 0
                for by_dtype in report["gflops"].values())
