@@ -324,9 +324,9 @@ class RolloutConfig:
     outside_forms_repeat: int = 1
     outside_forms_numbers: list[int] = field(default_factory=lambda: [3])
     outside_forms_repeat_after: int = 0  # steps 1..N draw every question once; the repeat starts at step N+1
-    # countdown: GRPO asks only the training questions with these many numbers (null: all). The demo's warm-up
-    # keeps 2-number questions as the steps of a longer search; GRPO need not spend groups on them. The
-    # held-out questions and the shortcut baseline's forms are not affected.
+    # countdown: GRPO asks only the training questions with these many numbers (null: all); the held-out questions
+    # and the shortcut baseline's forms are not affected. On the demo, [3, 4] left 3-number success within noise
+    # and the untrained 2-number questions fell 2-6 points (docs/cpu_demo.md), so the demo asks every count.
     train_number_counts: list[int] | None = None
 
     def validate(self) -> None:
