@@ -338,9 +338,9 @@ class RolloutConfig:
         check(bool(self.outside_forms_numbers) and set(self.outside_forms_numbers) <= set(FORM_NUMBER_COUNTS),
               "outside_forms_numbers", f"must be number counts among {list(FORM_NUMBER_COUNTS)}",
               self.outside_forms_numbers)
-        check(self.train_number_counts is None or (bool(self.train_number_counts) and min(self.train_number_counts) >= 1),
-              "train_number_counts", "must be null (every question) or a non-empty list of number counts >= 1",
-              self.train_number_counts)
+        counts = self.train_number_counts
+        check(counts is None or (bool(counts) and min(counts) >= 1), "train_number_counts",
+              "must be null (every question) or a non-empty list of number counts >= 1", counts)
         check(self.max_decode_rows is None or self.max_decode_rows >= self.num_answers_per_question,
               "max_decode_rows", f"must be >= num_answers_per_question ({self.num_answers_per_question}): a "
               "question's answers decode together, on its prompt's cache", self.max_decode_rows)
@@ -572,14 +572,16 @@ class TrainConfig:
         if rollout.questions_per_round % world_size():
             raise ConfigError(f"rollout.dynamic_sampling_questions_per_round ({rollout.questions_per_round}) must "
                               f"split evenly over {world_size()} ranks")
-        check(rollout.outside_forms_repeat == 1 or self.task.name == "countdown", "rollout.outside_forms_repeat",
-              f"only countdown has answer forms, not {self.task.name}; set it to 1", rollout.outside_forms_repeat)
-        check(rollout.train_number_counts is None or self.task.name == "countdown", "rollout.train_number_counts",
-              f"only countdown's questions have a number count, not {self.task.name}'s; set it to null",
-              rollout.train_number_counts)
-        check(not self.loss.try_reward_weight or self.task.name == "countdown", "loss.try_reward_weight",
-              f"only countdown's reward checks written tries, not {self.task.name}'s; set it to 0",
-              self.loss.try_reward_weight)
+        task = self.task.name
+        for key, value, unset, why in (  # CountDown's own keys: another task must leave them unset
+                ("rollout.outside_forms_repeat", rollout.outside_forms_repeat, 1,
+                 f"only countdown has answer forms, not {task}"),
+                ("rollout.train_number_counts", rollout.train_number_counts, None,
+                 f"only countdown's questions have a number count, not {task}'s"),
+                ("loss.try_reward_weight", self.loss.try_reward_weight, 0,
+                 f"only countdown's reward checks written tries, not {task}'s")):
+            check(value == unset or task == "countdown", key, f"{why}; set it to {'null' if unset is None else unset}",
+                  value)
         if self.distributed.fsdp and self.optim.memory_efficient_adamw:
             raise ConfigError("distributed.fsdp already shards AdamW's state over the GPUs; "
                               "set optim.memory_efficient_adamw: false")
