@@ -424,6 +424,7 @@ class LossConfig:
     # countdown: the weight of the share of the think's tries that are exact computations over every number
     # (countdown_task.try_reward), added to the rewards the update sees: made-up arithmetic then costs reward
     try_reward_weight: float = 0.0
+    try_reward_distinct: bool = False  # a try written twice counts as not exact the second time: it searches nothing
     kl_beta: float = 0.0  # weight of the k3 KL to the frozen initial policy; 0: no reference model
     sapo_tau_positive: float = 1.0  # SAPO's gate temperature for answers with advantage > 0 (larger: a narrower gate)
     sapo_tau_negative: float = 1.05  # and for the others
@@ -443,6 +444,8 @@ class LossConfig:
         within(self, "overlong_penalty_factor", 0, 10, "(]")  # rewards are at most ~1: 10 x that is already absurd
         within(self, "format_reward_weight", 0, 1)  # above 1 the format would outweigh what it is for
         within(self, "try_reward_weight", 0, 1)  # above 1 exact tries would outweigh a right answer
+        check(not self.try_reward_distinct or self.try_reward_weight > 0, "try_reward_distinct",
+              "needs loss.try_reward_weight > 0 (without the try reward it does nothing)", self.try_reward_distinct)
         within(self, "kl_beta", 0, 10)  # 0: no KL term, no reference model; 10 already pins the policy
         within(self, "sapo_tau_positive", 0, 100, "(]")
         within(self, "sapo_tau_negative", 0, 100, "(]")

@@ -327,19 +327,25 @@ def answer_reward(response: str, numbers: list[int], target: int) -> float:
 WRITTEN_STEP = re.compile(r"(?<!\d)(\d{1,12}) ([-+*/]) (\d{1,12}) = (\d{1,12})(?!\d)")
 
 
-def try_reward(response: str, numbers: list[int]) -> float:
+def try_reward(response: str, numbers: list[int], distinct: bool = False) -> float:
     """The share of the tries written in the think block (separated by ";", as the search warm-up writes them;
     a try is a part with at least one step "a op b = c") that are exact computations: each step takes two
     numbers the try still has (the question's, or results of its earlier steps) and states their exact integer
     result, and the try uses every number of the question. 0 when no try is written. It checks arithmetic, not
-    the answer: claiming the target (`97 + 27 = 99`) or one easy right step earns nothing (loss.try_reward_weight)."""
-    tries = [written for written in response.split("</think>")[0].split(";") if WRITTEN_STEP.search(written)]
-    return sum(is_exact_try(written, numbers) for written in tries) / len(tries) if tries else 0.0
+    the answer: claiming the target (`97 + 27 = 99`) or one easy right step earns nothing (loss.try_reward_weight).
+    distinct: a try with the same steps as an earlier one counts as not exact, since it searches nothing new
+    (loss.try_reward_distinct)."""
+    tries = [WRITTEN_STEP.findall(written) for written in response.split("</think>")[0].split(";")]
+    tries = [steps for steps in tries if steps]
+    exact = [is_exact_try(steps, numbers) and not (distinct and steps in tries[:place])
+             for place, steps in enumerate(tries)]
+    return sum(exact) / len(tries) if tries else 0.0
 
 
-def is_exact_try(written_try: str, numbers: list[int]) -> bool:
+def is_exact_try(steps: list[tuple[str, str, str, str]], numbers: list[int]) -> bool:
+    """Whether written steps (WRITTEN_STEP's groups) are an exact computation over every number of `numbers`."""
     available = Counter(numbers)
-    for left, symbol, right, result in WRITTEN_STEP.findall(written_try):
+    for left, symbol, right, result in steps:
         left, right, result = int(left), int(right), int(result)
         operands = Counter([left, right])
         if not operands <= available or (symbol == "/" and right == 0):
@@ -352,7 +358,8 @@ def is_exact_try(written_try: str, numbers: list[int]) -> bool:
 
 def grade(response: str, numbers: list[int], target: int, end_token: str | None = None) -> dict:
     """Total reward of a response (the text generated after RESPONSE_PREFILL): format and answer. The info also
-    holds try_reward, which only a run with loss.try_reward_weight > 0 adds to what the update sees."""
+    holds try_reward and distinct_try_reward, which only a run with loss.try_reward_weight > 0 adds to what the
+    update sees."""
     if end_token and response.endswith(end_token):
         response = response[: -len(end_token)]
     format_score = format_reward(response)
@@ -360,7 +367,8 @@ def grade(response: str, numbers: list[int], target: int, end_token: str | None 
     return {
         "reward": format_score + answer_score,
         "reward_info": {"format_reward": format_score, "answer_reward": answer_score,
-                        "try_reward": try_reward(response, numbers)},
+                        "try_reward": try_reward(response, numbers),
+                        "distinct_try_reward": try_reward(response, numbers, distinct=True)},
     }
 
 

@@ -518,12 +518,13 @@ def overlong_penalty(num_tokens: int, max_gen_len: int, config: LossConfig) -> f
 
 def shape_rewards(episodes: list[Episode], max_gen_len: int, config: LossConfig) -> list[Episode]:
     """The rewards the update sees: the task's, with its format reward weighted by config.format_reward_weight,
-    its share of exact tries (CountDown's try_reward) by config.try_reward_weight added, and DAPO's overlong
-    penalty taken off (kept in reward_info). The inputs are left as they are."""
+    its share of exact tries (CountDown's try_reward, or distinct_try_reward) by config.try_reward_weight added,
+    and DAPO's overlong penalty taken off (kept in reward_info). The inputs are left as they are."""
     shaped = []
     for episode in episodes:
         format_discount = (1 - config.format_reward_weight) * episode.reward_info["format_reward"]
-        try_bonus = config.try_reward_weight * episode.reward_info.get("try_reward", 0.0)
+        try_share = episode.reward_info.get("distinct_try_reward" if config.try_reward_distinct else "try_reward", 0.0)
+        try_bonus = config.try_reward_weight * try_share
         penalty = overlong_penalty(episode.num_generated_tokens, max_gen_len, config)
         info = dict(episode.reward_info)
         if config.overlong_buffer_fraction:

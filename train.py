@@ -128,6 +128,7 @@ def episode_metrics(episodes: list[Episode], num_answers_per_question: int) -> d
     }
     if "try_reward" in episodes[0].reward_info:  # CountDown's: the share of the think's tries that are exact
         metrics["reward/tries"] = sum(e.reward_info["try_reward"] for e in episodes) / len(episodes)
+        metrics["reward/distinct_tries"] = sum(e.reward_info["distinct_try_reward"] for e in episodes) / len(episodes)
     return metrics
 
 

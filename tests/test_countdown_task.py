@@ -199,7 +199,8 @@ def test_grade(response, end_token, expected_format, expected_answer):
     result = grade(response, [44, 19, 35], 98, end_token)
     assert result == {
         "reward": expected_format + expected_answer,
-        "reward_info": {"format_reward": expected_format, "answer_reward": expected_answer, "try_reward": 0.0},
+        "reward_info": {"format_reward": expected_format, "answer_reward": expected_answer, "try_reward": 0.0,
+                        "distinct_try_reward": 0.0},
     }
     item = {"nums": [44, 19, 35], "target": 98, "prompt": "unused", "prompt_token_ids": [1]}
     assert reward(response, item, end_token) == result
@@ -720,10 +721,28 @@ def test_try_reward_by_hand(response, numbers, expected):
     assert countdown_task.try_reward(response, numbers) == pytest.approx(expected)
 
 
+DISTINCT_TRY_CASES = [
+    # (response, numbers, exact tries written for the first time / tries written)
+    (" 97 - 45 = 52, 52 + 3 = 55 (not 82); 97 - 45 = 52, 52 + 3 = 55 (not 82); 97 - 45 = 52, 52 + 3 = 55 </think>",
+     [45, 97, 3], 1 / 3),  # one try written three times; the last drops the "(not 82)"
+    (" 44 + 35 = 79, 79 - 19 = 60 (not 98); 44 + 19 = 63, 63 + 35 = 98 </think>", [44, 19, 35], 2 / 2),
+    (" 44 + 35 = 79, 79 - 19 = 60 (not 98); 35 + 44 = 79, 79 - 19 = 60 </think>", [44, 19, 35], 2 / 2),  # new order
+    (" 95 - 56 = 34, 34 + 22 = 56; 95 - 56 = 34, 34 + 22 = 56; 95 - 56 = 39, 39 + 22 = 61 </think>",
+     [95, 56, 22], 1 / 3),  # a wrong try repeated stays wrong
+    (" 12 + 3 = 15 </think>", [12, 3], 1 / 1),
+    (" 12 + 3 is 15 </think>", [12, 3], 0.0),
+]
+
+
+@pytest.mark.parametrize("response, numbers, expected", DISTINCT_TRY_CASES)
+def test_distinct_try_reward_by_hand(response, numbers, expected):
+    assert countdown_task.try_reward(response, numbers, distinct=True) == pytest.approx(expected)
+
+
 def test_try_reward_is_kept_out_of_the_task_reward():
-    response = " 44 + 35 = 79, 79 + 19 = 98 </think>\n<answer> 44 + 35 - 19 </answer>"
-    assert grade(response, [44, 19, 35], 98) == {
-        "reward": 0.1, "reward_info": {"format_reward": 0.1, "answer_reward": 0.0, "try_reward": 1.0}}
+    response = " 44 + 35 = 79, 79 + 19 = 98; 44 + 35 = 79, 79 + 19 = 98 </think>\n<answer> 44 + 35 - 19 </answer>"
+    assert grade(response, [44, 19, 35], 98) == {"reward": 0.1, "reward_info": {
+        "format_reward": 0.1, "answer_reward": 0.0, "try_reward": 1.0, "distinct_try_reward": 0.5}}
 
 
 def test_dataset_with_no_solvable_question_is_refused_by_name(tmp_path, tokenizer):

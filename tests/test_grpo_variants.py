@@ -43,6 +43,7 @@ PLAIN_GRPO = {
     "loss.epochs_per_rollout": 1, "loss.clip": "none", "loss.clip_range": 0.2, "loss.clip_range_high": None,
     "loss.importance_sampling": "token", "loss.std_scope": "group", "loss.overlong_buffer_fraction": 0.0,
     "loss.overlong_penalty_factor": 1.0, "loss.format_reward_weight": 1.0, "loss.try_reward_weight": 0.0,
+    "loss.try_reward_distinct": False,
     "loss.kl_beta": 0.0, "loss.sapo_tau_positive": 1.0,
     "loss.sapo_tau_negative": 1.05, "loss.whiten_advantages": False, "loss.top_entropy_fraction": None,
     "loss.sampler_is_cap": None,
@@ -556,6 +557,16 @@ def test_try_reward_weight_adds_the_weighted_share_of_exact_tries():
     assert [e.reward for e in shape_rewards(episodes, 64, LossConfig())] == pytest.approx([1.1, 0.1, 0.1])
 
 
+def test_try_reward_distinct_adds_the_share_of_exact_tries_not_written_before():
+    # (exact tries, exact tries written for the first time): the second answer wrote its one exact try 3 times.
+    shares = [(1.0, 1.0), (1.0, 1 / 3)]
+    episodes = [dataclasses.replace(make_episode(0, 0.1), reward_info={
+        "format_reward": 0.1, "answer_reward": 0.0, "try_reward": tries, "distinct_try_reward": distinct})
+        for tries, distinct in shares]
+    shaped = shape_rewards(episodes, 64, LossConfig(try_reward_weight=0.3, try_reward_distinct=True))
+    assert [e.reward for e in shaped] == pytest.approx([0.4, 0.2])
+
+
 # ----------------------------------------------------------------------------- validation
 
 
@@ -580,6 +591,7 @@ def test_try_reward_weight_adds_the_weighted_share_of_exact_tries():
     ({"sampler_is_cap": 0.9}, r"loss.sampler_is_cap: must be in \[1, 100\]"),
     ({"sampler_is_cap": 101.0}, r"loss.sampler_is_cap: must be in \[1, 100\]"),
     ({"baseline": "leave_one_in"}, "loss.baseline"),
+    ({"try_reward_distinct": True}, "loss.try_reward_distinct: needs loss.try_reward_weight > 0"),
 ])
 def test_bad_values_are_config_errors(values, message):
     with pytest.raises(ConfigError, match=message):
