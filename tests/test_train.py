@@ -139,6 +139,16 @@ def test_zero_reward_steps_skip_the_update_and_warn_with_the_sft_fix(tmp_path, t
     assert all(torch.equal(a, b) for a, b in zip(after.parameters(), before.parameters()))
 
 
+def test_distinct_try_reward_is_logged_beside_the_try_reward(tmp_path, tiny_model_dir, countdown_dir):
+    # CountDown's own reward: a repeated try counts once in reward/distinct_tries, so it never exceeds reward/tries.
+    train.train(tiny_config(tmp_path, tiny_model_dir, countdown_dir, "optim.num_steps=2", "eval.interval=0",
+                            "loss.try_reward_weight=0.3", "loss.try_reward_distinct=true"))
+    scalars = read_scalars(tmp_path / "logs" / "tiny")
+    assert [step for step, _ in scalars["reward/distinct_tries"]] == [1, 2]
+    assert all(distinct <= tries for (_, distinct), (_, tries) in zip(scalars["reward/distinct_tries"],
+                                                                      scalars["reward/tries"]))
+
+
 def test_rewarded_steps_update_and_never_warn(tmp_path, tiny_model_dir, countdown_dir, digit_reward, caplog):
     config = tiny_config(tmp_path, tiny_model_dir, countdown_dir, "optim.num_steps=2", "eval.interval=0",
                          "optim.warn_after_zero_reward_steps=0")
