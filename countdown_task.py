@@ -335,11 +335,18 @@ def try_reward(response: str, numbers: list[int], distinct: bool = False) -> flo
     the answer: claiming the target (`97 + 27 = 99`) or one easy right step earns nothing (loss.try_reward_weight).
     distinct: a try with the same steps as an earlier one counts as not exact, since it searches nothing new
     (loss.try_reward_distinct)."""
+    return try_shares(response, numbers)[distinct]
+
+
+def try_shares(response: str, numbers: list[int]) -> tuple[float, float]:
+    """try_reward's two shares from one reading of the think block: (exact tries, exact tries not written before)."""
     tries = [WRITTEN_STEP.findall(written) for written in response.split("</think>")[0].split(";")]
     tries = [steps for steps in tries if steps]
-    exact = [is_exact_try(steps, numbers) and not (distinct and steps in tries[:place])
-             for place, steps in enumerate(tries)]
-    return sum(exact) / len(tries) if tries else 0.0
+    if not tries:
+        return 0.0, 0.0
+    exact = [is_exact_try(steps, numbers) for steps in tries]
+    first_time = [right and steps not in tries[:place] for place, (right, steps) in enumerate(zip(exact, tries))]
+    return sum(exact) / len(tries), sum(first_time) / len(tries)
 
 
 def is_exact_try(steps: list[tuple[str, str, str, str]], numbers: list[int]) -> bool:
@@ -364,11 +371,11 @@ def grade(response: str, numbers: list[int], target: int, end_token: str | None 
         response = response[: -len(end_token)]
     format_score = format_reward(response)
     answer_score = answer_reward(response, numbers, target)
+    exact_share, distinct_share = try_shares(response, numbers)
     return {
         "reward": format_score + answer_score,
         "reward_info": {"format_reward": format_score, "answer_reward": answer_score,
-                        "try_reward": try_reward(response, numbers),
-                        "distinct_try_reward": try_reward(response, numbers, distinct=True)},
+                        "try_reward": exact_share, "distinct_try_reward": distinct_share},
     }
 
 
