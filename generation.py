@@ -6,14 +6,14 @@ all active rows; sampled tokens stay on the device, and only every FINISHED_CHEC
 does the host look at which rows are done, to stop early and drop finished rows from the batch.
 """
 
+import contextlib
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from logprobs import shared_prefix_length
-from qwen2_model import KVCache, Transformer
+from qwen2_model import KVCache, Linear, Transformer
 from run_logging import progress_bar
 
 # Reading the finished flags forces a host-device sync; doing it every few steps keeps the device
@@ -23,9 +23,9 @@ FINISHED_CHECK_INTERVAL = 8
 # prompts differ share one compiled graph (and, freed and reallocated, usually the same addresses).
 COMPILED_CACHE_LENGTH_MULTIPLE = 256
 # On a CPU, oneDNN multiplies by a weight it has laid out for itself once ("packed") faster than nn.Linear
-# does: 1.2-2.2x for a 151,936-token vocabulary at 1-128 decode rows (docs/performance.md section 2). For
-# small projections (the tiny test models' 1,024 x 128) converting every step's input costs more than it saves.
-PACKED_PROJECTION_MIN_WEIGHTS = 1 << 22
+# does at decoding's few rows (docs/performance.md section 2). Below ~2^18 weights (the tiny test models'
+# layers) the packed call's fixed cost is more than it saves.
+PACKED_MIN_WEIGHTS = 1 << 18
 
 
 @dataclass
@@ -91,30 +91,45 @@ def decode_step(
     uniforms: torch.Tensor | None,
     temperature: float,
     top_p: float,
-    project: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Feed one token per row at its position and sample the next: fixed shapes for a given batch.
 
     Returns `sample_and_score`'s (tokens, log-probs, entropies).
-    project: hidden states -> logits (None: the model's lm_head); see `vocab_projection`.
     """
     hidden = model.hidden_states(tokens[:, None], positions[:, None], kv_cache)[:, -1]
-    logits = (project or model.lm_head)(hidden)
-    return sample_and_score(logits, temperature, top_p, uniforms)
+    return sample_and_score(model.lm_head(hidden), temperature, top_p, uniforms)
 
 
-def vocab_projection(model: Transformer) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """A oneDNN-packed copy of the lm_head weight for eager fp32 decoding on a CPU, or None (use lm_head).
-
-    Packed per generate call, since training changes the weight; the copy costs the weight's size in
-    memory (0.6 GB for Qwen2.5-0.5B) and ~0.4 s, against 5-8 s saved in a 127-step rollout of that model.
-    """
+def layers_to_pack(model: Transformer) -> list[Linear]:
+    """The linear layers `packed_weights` lays out for oneDNN: on a CPU, every large one in bfloat16; in float32 only
+    the vocabulary projection, since a packed float32 copy of every layer adds 4 bytes a weight to the rollout's
+    peak memory (bf16 has oneDNN's kernels only where the CPU has bf16 instructions)."""
     weight = model.lm_head.weight
-    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.numel() < PACKED_PROJECTION_MIN_WEIGHTS
-            or not torch.backends.mkldnn.is_available()):
-        return None
-    packed = weight.detach().to_mkldnn()
-    return lambda hidden: torch._C._nn.mkldnn_linear(hidden.to_mkldnn(), packed, None).to_dense()
+    # Sharded (FSDP) weights are not plain tensors and are gathered only inside forward: nothing to pack.
+    if weight.device.type != "cpu" or type(weight.data) is not torch.Tensor or not torch.backends.mkldnn.is_available():
+        return []
+    if weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        layers = [module for module in model.modules() if isinstance(module, Linear)]
+    elif weight.dtype == torch.float32:
+        layers = [model.lm_head]
+    else:
+        return []
+    return [layer for layer in layers if layer.weight.numel() >= PACKED_MIN_WEIGHTS]
+
+
+@contextlib.contextmanager
+def packed_weights(model: Transformer, rows: int):
+    """For the block, `layers_to_pack` multiply by copies of their weights laid out for oneDNN for `rows` input rows
+    (Linear.packed_weight): packed per generate call, since training changes the weights. The copies cost the
+    packed weights' size in memory and a fraction of a second to make."""
+    layers = layers_to_pack(model)
+    for layer in layers:
+        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), rows)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.packed_weight = None
 
 
 @functools.cache
@@ -231,15 +246,16 @@ def generate(
         limits = limits.minimum(torch.tensor(stop_lengths, device=device))
     per_batch = max(1, (max_rows or num_rows) // num_samples_per_prompt)  # prompts per batch
     completions = []
-    for first in range(0, len(prompts), per_batch):
-        rows = slice(first * num_samples_per_prompt, (first + per_batch) * num_samples_per_prompt)
-        outputs = generate_rows(model, prompts[first : first + per_batch], num_samples_per_prompt=num_samples_per_prompt,
-                                max_gen_len=max_gen_len, eos_token_id=eos_token_id, temperature=temperature,
-                                top_p=top_p, uniforms=None if uniforms is None else uniforms[rows],
-                                length_limits=limits[rows], share_prompt_prefill=share_prompt_prefill,
-                                evict_finished=evict_finished, compile_decode=compile_decode, progress=progress)
-        completions += completions_from_outputs(*(output.tolist() for output in outputs),
-                                                limits=limits[rows].tolist(), eos_token_id=eos_token_id)
+    with packed_weights(model, rows=per_batch * num_samples_per_prompt):
+        for first in range(0, len(prompts), per_batch):
+            rows = slice(first * num_samples_per_prompt, (first + per_batch) * num_samples_per_prompt)
+            outputs = generate_rows(model, prompts[first : first + per_batch], num_samples_per_prompt=num_samples_per_prompt,
+                                    max_gen_len=max_gen_len, eos_token_id=eos_token_id, temperature=temperature,
+                                    top_p=top_p, uniforms=None if uniforms is None else uniforms[rows],
+                                    length_limits=limits[rows], share_prompt_prefill=share_prompt_prefill,
+                                    evict_finished=evict_finished, compile_decode=compile_decode, progress=progress)
+            completions += completions_from_outputs(*(output.tolist() for output in outputs),
+                                                    limits=limits[rows].tolist(), eos_token_id=eos_token_id)
     return completions
 
 
@@ -303,7 +319,7 @@ def decode(
     finished rows inside an already captured graph.
     """
     device, num_rows, max_gen_len = logits.device, len(logits), int(length_limits.max())
-    step_fn = compiled_decode_step() if compiled else functools.partial(decode_step, project=vocab_projection(model))
+    step_fn = compiled_decode_step() if compiled else decode_step
     if compiled:
         for tensor in kv_cache.keys + kv_cache.values:
             # The cache is written in place every step; a static address lets the graph do that directly

@@ -304,10 +304,15 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 class Linear(nn.Linear):
     """nn.Linear that can carry a LoRA adapter (add_adapter). Its A and B stay float32 whatever the weight's
-    dtype (the master copy AdamW updates) and are cast to the input's dtype for the two thin matmuls."""
+    dtype (the master copy AdamW updates) and are cast to the input's dtype for the two thin matmuls.
+
+    While packed_weight is set (a copy of the weight that oneDNN laid out for itself: generation.packed_weights,
+    on a CPU, gradients off) the layer multiplies by it instead: the same product, 1.1-3x faster at decoding's
+    few rows."""
 
     adapter_scale = 0.0  # alpha / rank; 0: no adapter
     adapter_enabled = True
+    packed_weight: torch.Tensor | None = None
 
     def add_adapter(self, rank: int, alpha: float, generator: torch.Generator) -> None:
         """A from PEFT's default (Kaiming-uniform, bound 1 / sqrt(in)), B = 0: the layer computes what it did."""
@@ -321,7 +326,10 @@ class Linear(nn.Linear):
         self.adapter_scale = alpha / rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
+        if self.packed_weight is None:
+            out = super().forward(x)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         if not (self.adapter_scale and self.adapter_enabled):
             return out
         down = F.linear(x, self.lora_A.weight.to(x.dtype))  # [..., rank]
@@ -454,7 +462,7 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:

@@ -274,11 +274,11 @@ OP_PARTS = {
     "aten::scaled_dot_product_attention": "decode: attention over the cache",
     "aten::index_put_": "decode: cache writes",
     "aten::linear": "decode: layer matmuls (all layers)",
+    "mkldnn::_linear_pointwise": "decode: layer matmuls (all layers)",  # by a packed weight (generation.packed_weights)
     "aten::_local_scalar_dense": "host syncs (reading flags)",
 }
 LM_HEAD = "decode: lm_head"
-# On a CPU the decode step multiplies by a oneDNN-packed copy of lm_head's weight (generation.vocab_projection).
-PACKED_LM_HEAD_OPS = {"aten::mkldnn_linear", "aten::to_mkldnn", "aten::to_dense"}
+LINEAR_OPS = {"aten::linear", "mkldnn::_linear_pointwise"}
 OTHER_OPS = "decode: other ops (norms, rotary, residuals, indexing)"
 OUTSIDE_OPS = "outside torch ops (Python, dispatch, profiler; on CUDA: device idle)"
 
@@ -314,7 +314,7 @@ def event_part(event, lm_head_shape: list[int]) -> str:
     if labelled:
         return FUNCTION_PARTS[labelled[-1]]  # the outermost: all of prefill is prefill
     for e in ancestors:
-        if (e.name == "aten::linear" and lm_head_shape in e.input_shapes) or e.name in PACKED_LM_HEAD_OPS:
+        if e.name in LINEAR_OPS and lm_head_shape in e.input_shapes:
             return LM_HEAD
         if e.name in OP_PARTS:
             return OP_PARTS[e.name]

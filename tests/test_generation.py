@@ -1,13 +1,15 @@
 """The generation engine against a naive decoder (full forward, no cache, one sequence at a time)."""
 
+import copy
 import itertools
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import generation
-from generation import Completion, decode_step, generate, keep_rows_in_place, sample, vocab_projection
+from generation import Completion, decode_step, generate, keep_rows_in_place, layers_to_pack, packed_weights, sample
 from qwen2_model import Transformer, init_weights
 
 FLAG_COMBINATIONS = [
@@ -305,24 +307,53 @@ def test_greedy_tokens_get_the_untempered_policys_log_probs(model, prompts):
 
 @pytest.fixture
 def packing_forced(monkeypatch) -> None:
-    """Decode through the oneDNN-packed copy of lm_head's weight that large models get on a CPU, forced
-    here for the tiny model by lowering the size threshold."""
+    """Decode through the oneDNN-packed weights that large models get on a CPU, forced here for the tiny model by
+    lowering the size threshold."""
     if not torch.backends.mkldnn.is_available():
-        pytest.skip("this torch build has no oneDNN, so decoding never packs the projection")
-    monkeypatch.setattr(generation, "PACKED_PROJECTION_MIN_WEIGHTS", 0)
+        pytest.skip("this torch build has no oneDNN, so decoding never packs a weight")
+    monkeypatch.setattr(generation, "PACKED_MIN_WEIGHTS", 0)
 
 
-@pytest.fixture(params=[False, True], ids=["lm_head", "packed"])
+@pytest.fixture(params=[False, True], ids=["plain", "packed"])
 def packed_projection(request, model) -> bool:
     if request.param:
         request.getfixturevalue("packing_forced")
-    assert (vocab_projection(model) is not None) == request.param
+    # float32: only the vocabulary projection is packed
+    assert layers_to_pack(model) == ([model.lm_head] if request.param else [])
     return request.param
 
 
-def test_packed_projection_gives_the_lm_head_logits(model, packing_forced):
-    hidden = torch.randn(5, 3, model.config.hidden_size, generator=torch.Generator().manual_seed(0))[:, -1]
-    torch.testing.assert_close(vocab_projection(model)(hidden), model.lm_head(hidden), rtol=1e-5, atol=1e-5)
+@pytest.fixture
+def bf16_model(model) -> Transformer:
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU has no bf16 instructions for oneDNN, so bf16 decoding never packs a weight")
+    return copy.deepcopy(model).to(torch.bfloat16)
+
+
+def test_packed_weights_give_each_layers_product_and_are_dropped_after(model, bf16_model, packing_forced):
+    generator = torch.Generator().manual_seed(0)
+    for tested in (model, bf16_model):
+        layers = layers_to_pack(tested)
+        expected_count = 1 if tested is model else 7 * tested.config.num_hidden_layers + 1  # every Linear in bf16
+        assert len(layers) == expected_count
+        inputs = [torch.randn(5, 3, layer.in_features, generator=generator).to(layer.weight.dtype) for layer in layers]
+        with packed_weights(tested, rows=15):
+            assert all(layer.packed_weight is not None for layer in layers)
+            outputs = [layer(x) for layer, x in zip(layers, inputs)]
+        assert all(layer.packed_weight is None for layer in layers)
+        for layer, x, output in zip(layers, inputs, outputs):
+            tolerance = 1e-5 if tested is model else 1e-2
+            torch.testing.assert_close(output, F.linear(x, layer.weight, layer.bias), rtol=tolerance, atol=tolerance)
+
+
+def test_bf16_generation_with_every_layer_packed_gives_the_plain_tokens(bf16_model, prompts, monkeypatch):
+    settings = dict(num_samples_per_prompt=2, max_gen_len=12, eos_token_id=-1, temperature=1.0)
+    plain = generate(bf16_model, prompts, generator=torch.Generator().manual_seed(3), **settings)
+    monkeypatch.setattr(generation, "PACKED_MIN_WEIGHTS", 0)
+    packed = generate(bf16_model, prompts, generator=torch.Generator().manual_seed(3), **settings)
+    assert [c.token_ids for c in packed] == [c.token_ids for c in plain]
+    for packed_completion, plain_completion in zip(packed, plain):
+        torch.testing.assert_close(packed_completion.log_probs, plain_completion.log_probs, rtol=0, atol=0.05)
 
 
 @pytest.mark.parametrize("flags", FLAG_COMBINATIONS, ids=FLAG_IDS)
