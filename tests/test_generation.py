@@ -346,10 +346,17 @@ def test_packed_weights_give_each_layers_product_and_are_dropped_after(model, bf
             torch.testing.assert_close(output, F.linear(x, layer.weight, layer.bias), rtol=tolerance, atol=tolerance)
 
 
-def test_bf16_generation_with_every_layer_packed_gives_the_plain_tokens(bf16_model, prompts, monkeypatch):
+@pytest.mark.parametrize("with_adapters", [False, True], ids=["model", "lora"])
+def test_bf16_generation_with_every_layer_packed_gives_the_plain_tokens(bf16_model, prompts, monkeypatch, with_adapters):
+    if with_adapters:  # a trained LoRA: the adapter's product is added to the packed one
+        bf16_model.add_adapters(rank=2, alpha=4.0)
+        with torch.no_grad():
+            for layer in bf16_model.adapted_layers().values():
+                layer.lora_B.weight.normal_(std=0.5, generator=torch.Generator().manual_seed(1))
     settings = dict(num_samples_per_prompt=2, max_gen_len=12, eos_token_id=-1, temperature=1.0)
     plain = generate(bf16_model, prompts, generator=torch.Generator().manual_seed(3), **settings)
     monkeypatch.setattr(generation, "PACKED_MIN_WEIGHTS", 0)
+    assert len(layers_to_pack(bf16_model)) == 7 * bf16_model.config.num_hidden_layers + 1
     packed = generate(bf16_model, prompts, generator=torch.Generator().manual_seed(3), **settings)
     assert [c.token_ids for c in packed] == [c.token_ids for c in plain]
     for packed_completion, plain_completion in zip(packed, plain):
