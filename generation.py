@@ -8,6 +8,7 @@ does the host look at which rows are done, to stop early and drop finished rows 
 
 import contextlib
 import functools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,9 @@ COMPILED_CACHE_LENGTH_MULTIPLE = 256
 # does at decoding's few rows (docs/performance.md section 2). Below ~2^18 weights (the tiny test models'
 # layers) the packed call's fixed cost is more than it saves.
 PACKED_MIN_WEIGHTS = 1 << 18
+# Vocabulary slots per block of the two-level CDF inversion (invert_cdf): 48 blocks of SmolLM2's vocabulary,
+# 1187 of 128 in Qwen's (its largest power-of-two divisor).
+CDF_BLOCK = 1024
 
 
 @dataclass
@@ -38,44 +42,56 @@ class Completion:
     entropies: list[float] = field(default_factory=list, compare=False)
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, uniforms: torch.Tensor | None) -> torch.Tensor:
-    """Next token ids [rows] from logits [rows, vocab]; temperature 0 is greedy.
-
-    Sampling inverts the (nucleus-truncated) CDF at one uniform per row: a fixed-shape computation
-    whose randomness comes from outside, so a compiled CUDA graph can replay it.
-    """
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    # softmax is one fused kernel: 4x faster on a CPU than exp(x - max) unnormalised, for all it saves.
-    return invert_cdf(torch.softmax(logits.float() / temperature, dim=-1), top_p, uniforms)
-
-
 def invert_cdf(probs: torch.Tensor, top_p: float, uniforms: torch.Tensor) -> torch.Tensor:
-    """The token [rows] whose (nucleus-truncated) CDF step holds each row's uniform; `probs` becomes the CDF."""
+    """The token [rows] whose (nucleus-truncated) CDF step holds each row's uniform.
+
+    Inverting the CDF at one uniform per row is a fixed-shape computation whose randomness comes from
+    outside, so a compiled CUDA graph can replay it. The CDF is found in two levels: the sums of blocks of
+    CDF_BLOCK slots locate each row's block, then a cumulative sum over that block alone finds the slot. That
+    reads `probs` once, where a cumulative sum over the whole vocabulary reads it and writes it again.
+    """
     order = None
     if top_p < 1:
         probs, order = probs.sort(dim=-1, descending=True)
         # Keep a token while the mass ranked above it is below top_p: the smallest set reaching top_p.
         probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= top_p, 0.0)
-    cdf = probs.cumsum_(dim=-1)  # in place: no third vocabulary-sized tensor
-    total = cdf[:, -1:]
-    # Strictly below the total, so the chosen slot is one where the CDF rises: a token of nonzero mass.
-    threshold = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    index = torch.searchsorted(cdf, threshold, right=True)
+    rows, vocab = probs.shape
+    block = math.gcd(vocab, CDF_BLOCK)  # a power of two that divides the vocabulary (1: one level)
+    blocks = probs.reshape(rows, vocab // block, block)
+    block_cdf = blocks.sum(dim=-1).cumsum_(dim=-1)
+    block_index, threshold = rising_step(block_cdf, uniforms[:, None] * block_cdf[:, -1:])
+    mass_before = torch.where(block_index > 0, block_cdf.gather(-1, (block_index - 1).clamp(min=0)), 0.0)
+    block_cdf_inside = blocks.gather(1, block_index[:, :, None].expand(-1, -1, block)).squeeze(1).cumsum_(dim=-1)
+    slot, _ = rising_step(block_cdf_inside, threshold - mass_before)
+    index = block_index * block + slot
     return (index if order is None else order.gather(-1, index)).squeeze(-1)
 
 
+def rising_step(cdf: torch.Tensor, threshold: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index [rows, 1] of the first entry of `cdf` [rows, n] above `threshold` [rows, 1], the threshold used).
+
+    The threshold is held strictly below the CDF's total, so the step found is one where the CDF rises: a slot
+    of nonzero mass, whatever the rounding of the uniform times the total.
+    """
+    total = cdf[:, -1:]
+    threshold = torch.minimum(threshold, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, threshold, right=True), threshold
+
+
 def sample_and_score(logits: torch.Tensor, temperature: float, top_p: float, uniforms: torch.Tensor | None):
-    """(next token ids, their log-probs, entropies), each [rows]: the tokens `sample` draws, and log p and entropy
-    in float32 under softmax(logits / temperature) (greedy: temperature 1) before top_p's truncation.
+    """(next token ids, their log-probs, entropies), each [rows]: tokens drawn by `invert_cdf` at the rows'
+    uniforms (temperature 0: the argmax), and log p and entropy in float32 under softmax(logits / temperature)
+    (greedy: temperature 1) before top_p's truncation.
 
     At temperature 1 that is the policy as the trainer scores it (logprobs.answer_log_probs), so the update can
     measure how far its own log-probs are from the sampler's (grpo.update_policy). Two float32 [rows, vocab]
-    tensors at most (log-probs, and the probabilities that become the CDF in place): at 256 rows of Qwen's
-    151,936-token vocabulary each is 156 MB (bench/memory_plan.py).
+    tensors at most (log-probs, and the probabilities): at 256 rows of Qwen's 151,936-token vocabulary each is
+    156 MB (bench/memory_plan.py).
     """
-    log_probs = logits.to(torch.float32, copy=True).div_(temperature or 1.0)
-    log_probs -= log_probs.logsumexp(dim=-1, keepdim=True)
+    if temperature in (0, 1):  # one kernel: no max, exp-sum and subtraction passes of their own
+        log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    else:
+        log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
     probs = log_probs.exp()
     entropy = -torch.bmm(probs[:, None, :], log_probs[:, :, None]).view(-1)  # -sum p log p, without p log p
     tokens = log_probs.argmax(dim=-1) if temperature == 0 else invert_cdf(probs, top_p, uniforms)

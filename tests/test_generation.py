@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import generation
-from generation import Completion, decode_step, generate, keep_rows_in_place, layers_to_pack, packed_weights, sample
+from generation import (Completion, decode_step, generate, invert_cdf, keep_rows_in_place, layers_to_pack, packed_weights,
+                        sample_and_score)
 from qwen2_model import Transformer, init_weights
 
 FLAG_COMBINATIONS = [
@@ -116,7 +117,7 @@ def chi_square_critical(dof: int, z: float = 3.719) -> float:
 def sampled_counts(logits: torch.Tensor, temperature: float, top_p: float, num_draws: int, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     uniforms = torch.rand(num_draws, generator=generator)
-    tokens = sample(logits.expand(num_draws, -1), temperature, top_p, uniforms)
+    tokens, _, _ = sample_and_score(logits.expand(num_draws, -1), temperature, top_p, uniforms)
     return torch.bincount(tokens, minlength=logits.shape[-1])
 
 
@@ -142,8 +143,32 @@ def test_top_p_samples_only_the_renormalised_nucleus():
 def test_sample_never_picks_zero_probability_tokens():
     logits = torch.tensor([-math.inf, 0.0, -math.inf, 0.0, -math.inf])
     uniforms = torch.tensor([0.0, 0.4999, 0.5, 1 - 2**-24, 1.0])  # the edges of [0, 1), and beyond
-    tokens = sample(logits.expand(5, -1), 1.0, 1.0, uniforms)
+    tokens, _, _ = sample_and_score(logits.expand(5, -1), 1.0, 1.0, uniforms)
     assert tokens.tolist() == [1, 1, 3, 3, 3]
+
+
+@pytest.mark.parametrize("vocab", [4096, 3000, 7])  # blocks of 1,024 slots; of 8 (3,000 = 8 x 375); of 1
+def test_cdf_inversion_finds_the_slot_whose_cdf_step_holds_the_uniform(vocab):
+    generator = torch.Generator().manual_seed(vocab)
+    rows = 512
+    probs = torch.rand(rows, vocab, generator=generator) ** 8  # a few large masses among many small ones
+    probs[torch.rand(rows, vocab, generator=generator) < 0.5] = 0.0  # half the slots, whole blocks among them
+    probs[: rows // 2, : vocab // 2] = 0.0
+    probs[:, -1] = 1e-3  # every row has mass
+    uniforms = torch.rand(rows, generator=generator)
+    uniforms[:4] = torch.tensor([0.0, 1 - 2**-24, 1.0, 0.5])  # the edges of [0, 1), and beyond
+    tokens = invert_cdf(probs.clone(), 1.0, uniforms)
+    # The reference: one cumulative sum over the whole vocabulary, in float64.
+    cdf = probs.double().cumsum(-1)
+    point = uniforms.double() * cdf[:, -1]
+    chosen = tokens[:, None]
+    low, high = cdf.gather(-1, chosen).squeeze(-1) - probs.double().gather(-1, chosen).squeeze(-1), cdf.gather(-1, chosen).squeeze(-1)
+    assert (probs.gather(-1, chosen) > 0).all()
+    slack = 1e-5 * cdf[:, -1]  # float32 sums against float64 ones
+    assert ((low - slack <= point) & (point <= high + slack)).all()
+    # Within the slack the reference's own choice is the same slot on nearly every row.
+    reference = torch.searchsorted(cdf, point[:, None], right=True).squeeze(-1).clamp(max=vocab - 1)
+    assert (tokens == reference).float().mean() > 0.99
 
 
 def test_first_generated_token_follows_model_distribution(model, prompts):
