@@ -180,22 +180,32 @@ def prefill(model: Transformer, prompts: list[list[int]], max_seq_len: int):
     return kv_cache, model(padded, positions, kv_cache, logits_at=lengths - 1 - shared), lengths
 
 
+def rows_to_keep(finished: torch.Tensor) -> torch.Tensor:
+    """The rows not finished, placed to move as few as possible: of the first len(active) places, each that holds
+    an active row keeps it, and each that holds a finished one takes an active row from beyond them. Compaction
+    (keep_rows_in_place) then copies one row per finished row, where keeping the rows in order copies every row
+    after the first finished one."""
+    num_active = int((~finished).sum())
+    rows = torch.arange(num_active, device=finished.device)
+    rows[finished[:num_active].nonzero().squeeze(1)] = (~finished[num_active:]).nonzero().squeeze(1) + num_active
+    return rows
+
+
 def keep_rows_in_place(kv_cache: KVCache, rows: torch.Tensor, filled: int | None = None) -> KVCache:
-    """The cache of `rows` (ascending), moved to the front of each buffer one layer at a time.
+    """The cache of `rows` (distinct, any order), row i moved to place i of each buffer, one layer at a time.
 
     Indexing each buffer with `rows` would build the whole new cache before the old one is freed; at 256
-    rows of a 3B model that transient second cache is 12 GB. Here the extra memory is one layer's rows,
-    and only what moves is copied: the rows from the first one whose place changes, and only the first
-    `filled` slots (None: all), since the slots beyond were never written.
+    rows of a 3B model that transient second cache is 12 GB. Here the extra memory is one layer's moving rows,
+    and only what moves is copied: the rows whose place changes, and only the first `filled` slots (None: all),
+    since the slots beyond were never written.
     """
-    moved = (rows != torch.arange(len(rows), device=rows.device)).nonzero()
-    first = int(moved[0]) if len(moved) else len(rows)
-    slots = slice(None, filled)
+    moved = (rows != torch.arange(len(rows), device=rows.device)).nonzero().squeeze(1)
+    sources, slots = rows[moved], slice(None, filled)
     keys, values = (
         [buffer[: len(rows)] for buffer in buffers] for buffers in (kv_cache.keys, kv_cache.values)
     )
     for kept, buffer in zip(keys + values, kv_cache.keys + kv_cache.values):
-        kept[first:, slots] = buffer[rows[first:], slots]
+        kept[moved, slots] = buffer[sources, slots]  # gathered before written: sources and places may overlap
     return KVCache(keys, values)
 
 
@@ -367,7 +377,7 @@ def decode(
             if finished.all():
                 break
         if (check and evict_finished or evict_every_step) and finished.any():
-            active = (~finished).nonzero().squeeze(1)
+            active = rows_to_keep(finished)
             kv_cache = keep_rows_in_place(kv_cache, active, filled)
             next_tokens, next_log_probs, next_entropies, positions, row_ids, limits = (
                 t[active] for t in (next_tokens, next_log_probs, next_entropies, positions, row_ids, limits))

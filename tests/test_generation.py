@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import generation
 from generation import (Completion, decode_step, generate, invert_cdf, keep_rows_in_place, layers_to_pack, packed_weights,
-                        sample_and_score)
+                        rows_to_keep, sample_and_score)
 from qwen2_model import Transformer, init_weights
 
 FLAG_COMBINATIONS = [
@@ -247,6 +247,26 @@ def test_eviction_copies_the_written_slots_of_the_rows_that_move(model):
         assert torch.equal(new[:, :filled], old[rows, :filled])
         # Rows 0 and 1 keep their places, and nothing beyond the written slots is touched.
         assert torch.equal(new[:2], old[:2]) and torch.equal(new[:, filled:], old[:4, filled:])
+
+
+def test_eviction_moves_rows_in_any_order_even_onto_each_others_places(model):
+    cache = model.new_kv_cache(5, 4)
+    for buffer in cache.keys + cache.values:
+        buffer.copy_(torch.randn(buffer.shape))
+    before = [buffer.clone() for buffer in cache.keys + cache.values]
+    rows = torch.tensor([2, 0, 4, 3])  # row 2 to place 0 while row 0 goes to place 1: a cycle
+    kept = keep_rows_in_place(cache, rows)
+    assert all(torch.equal(new, old[rows]) for old, new in zip(before, kept.keys + kept.values))
+
+
+@pytest.mark.parametrize("finished", ["0000", "1111", "1010", "0101", "0011", "1100", "01100110", "10000001"])
+def test_rows_to_keep_fills_each_finished_place_with_an_active_row_from_beyond(finished):
+    flags = torch.tensor([flag == "1" for flag in finished])
+    rows = rows_to_keep(flags).tolist()
+    active = [row for row, flag in enumerate(finished) if flag == "0"]
+    assert sorted(rows) == active
+    assert all(rows[place] == place for place in range(len(rows)) if place in active)  # active rows stay put
+    assert sum(row != place for place, row in enumerate(rows)) == finished[: len(active)].count("1")
 
 
 def test_decode_step_traces_as_one_graph(model, prompts):
