@@ -81,7 +81,8 @@ def rollout_plan(config: ModelConfig, settings: dict, dtype_bytes: int) -> dict[
     kv_cache             the answers' cache: rows x (prompt + answer - 1) slots x layers x (k, v)
     token_buffers        the sampled ids (int64), their log-probs and entropies, and the uniforms: rows x answer
     decode_step          one block's activations for a token per row, the tiled attention mask and its bias
-    sampling             the step's logits (model dtype), log-probs and probabilities/CDF (float32); top_p < 1
+    sampling             the step's logits (model dtype), log-probs and probabilities (float32; the CDF is per
+                         block and one block per row: small); top_p < 1
                          adds a sort (values, int64 ids) and the truncated copy
     cache_compaction     the rows that move when finished rows leave, one layer's k or v at a time
     """
