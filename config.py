@@ -221,7 +221,8 @@ class LoRAConfig:
 @dataclass
 class ModelSetup:
     dir: str = "Qwen/Qwen2.5-3B-Instruct"  # a Hugging Face model directory or Hub id (hub.py)
-    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    # auto: bfloat16 on a GPU and on a CPU with bf16 matrix instructions (avx512_bf16, AMX), float32 elsewhere
+    dtype: Literal["auto", "bfloat16", "float32", "float16"] = "bfloat16"
     gradient_checkpointing: bool = True
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 

@@ -90,3 +90,47 @@ def test_bfloat16_run_with_master_weights_resumes_exactly(tmp_path, tiny_model_d
     for name in ("model.safetensors",):
         assert (tmp_path / "full/checkpoints/tiny/step_000004" / name).read_bytes() == (
             tmp_path / "cut/checkpoints/tiny/step_000004" / name).read_bytes()
+
+
+@pytest.mark.parametrize("flags, device, expected", [
+    ("fpu avx2 avx512f avx512_bf16", "cpu", "bfloat16"),  # AMD Zen 4, Intel Cooper Lake
+    ("fpu avx2 avx512f amx_bf16 amx_tile", "cpu", "bfloat16"),  # Intel Sapphire Rapids
+    ("fpu avx2 avx512f", "cpu", "float32"),  # bf16 emulated: no faster than float32
+    ("", "cpu", "float32"),  # no /proc/cpuinfo (macOS, Windows)
+    ("fpu avx2", "cuda", "bfloat16"),
+    ("fpu avx2 avx512_bf16", "mps", "float32"),
+])
+def test_auto_dtype_is_bfloat16_where_bf16_matmuls_are_native(tmp_path, monkeypatch, flags, device, expected):
+    import torch
+
+    import runtime
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n" if flags else "")
+    real_path = runtime.Path
+    monkeypatch.setattr(runtime, "Path", lambda name: cpuinfo if name == "/proc/cpuinfo" else real_path(name))
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    runtime.cpu_has_bf16_matmul.cache_clear()
+    try:
+        assert runtime.model_dtype("auto", torch.device(device)) == getattr(torch, expected)
+        assert runtime.model_dtype("float32", torch.device(device)) == torch.float32  # a named dtype is kept
+    finally:
+        runtime.cpu_has_bf16_matmul.cache_clear()
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_a_grpo_run_in_auto_dtype_loads_the_model_in_the_machines_dtype(tmp_path, tiny_model_dir, countdown_dir,
+                                                                        digit_reward, monkeypatch, native_bf16):
+    import torch
+
+    import runtime
+
+    loaded = []
+    real_from_pretrained = runtime.Transformer.from_pretrained
+    monkeypatch.setattr(runtime.Transformer, "from_pretrained",
+                        lambda *args, **kwargs: loaded.append(kwargs["dtype"]) or real_from_pretrained(*args, **kwargs))
+    monkeypatch.setattr(runtime, "cpu_has_bf16_matmul", lambda: native_bf16)
+    config = tiny_config(tmp_path, tiny_model_dir, countdown_dir, "model.dtype=auto", "optim.num_steps=1",
+                         "eval.interval=0", "checkpoint.interval=0", "device=cpu")
+    train.train(config)
+    assert loaded and set(loaded) == {torch.bfloat16 if native_bf16 else torch.float32}
