@@ -162,7 +162,8 @@ def test_cdf_inversion_finds_the_slot_whose_cdf_step_holds_the_uniform(vocab):
     cdf = probs.double().cumsum(-1)
     point = uniforms.double() * cdf[:, -1]
     chosen = tokens[:, None]
-    low, high = cdf.gather(-1, chosen).squeeze(-1) - probs.double().gather(-1, chosen).squeeze(-1), cdf.gather(-1, chosen).squeeze(-1)
+    high = cdf.gather(-1, chosen).squeeze(-1)  # the chosen slot's CDF step is [low, high]
+    low = high - probs.double().gather(-1, chosen).squeeze(-1)
     assert (probs.gather(-1, chosen) > 0).all()
     slack = 1e-5 * cdf[:, -1]  # float32 sums against float64 ones
     assert ((low - slack <= point) & (point <= high + slack)).all()
