@@ -88,10 +88,9 @@ def sample_and_score(logits: torch.Tensor, temperature: float, top_p: float, uni
     tensors at most (log-probs, and the probabilities): at 256 rows of Qwen's 151,936-token vocabulary each is
     156 MB (bench/memory_plan.py).
     """
-    if temperature in (0, 1):  # one kernel: no max, exp-sum and subtraction passes of their own
-        log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-    else:
-        log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    # One kernel normalises: no max, exp-sum and subtraction passes of their own (and no division at temperature 1).
+    scaled = logits if temperature in (0, 1) else logits.float() / temperature
+    log_probs = torch.log_softmax(scaled, dim=-1, dtype=torch.float32)
     probs = log_probs.exp()
     entropy = -torch.bmm(probs[:, None, :], log_probs[:, :, None]).view(-1)  # -sum p log p, without p log p
     tokens = log_probs.argmax(dim=-1) if temperature == 0 else invert_cdf(probs, top_p, uniforms)
